@@ -1,0 +1,156 @@
+"""Packed I-DLM training batches: ``[x_t | x_0]`` per sample, greedy packing, shifted labels (SPEC §1).
+
+Per sample of length L (prompt + answer + eos) with ``prompt_len`` = P prompt tokens:
+
+* x_0 = the clean tokens; x_t = x_0 with every answer token (position >= P) replaced by
+  ``<|mask|>``; prompt tokens stay clean in x_t (all-masked regime: no ratio, no 1/t weight);
+* the sample occupies 2L consecutive slots ``[x_t | x_0]``; both copies take positions 0..L-1;
+* blocks of ``block_size`` b are counted from position 0: ``block = position // b``
+  (b trains ISD stride N = b + 1).
+
+Labels, logit shift in both streams: the query at position i predicts x_0[i + 1] of the same
+sample. A target counts only if it is an answer token (i + 1 >= P); the last position of a sample
+predicts nothing, so no target ever crosses a sample boundary. Both streams therefore supervise
+the same positions i = max(P, 1) - 1 .. L - 2, one target per answer token that has a predecessor
+(every answer token when P >= 1; with P = 0, plain text, the first token cannot be predicted)::
+
+    position        0    1    2    3    4        (P = 2, L = 5; answer = a2 a3 eos)
+    x_0 input       p0   p1   a2   a3   eos
+    x_t input       p0   p1   M    M    M
+    target (both)   -    a2   a3   eos  -
+
+Decision on the x_t stream: L_mask keeps the x_t query at P - 1 (the last prompt token, clean
+in x_t), so every answer token is a target exactly once in each stream and L_mask is a token mean
+over the answer tokens (SPEC: "divided by the number of answer tokens"; paper Eq. 1: mean over
+all x_t positions). That query sees exactly the clean prompt (the x_0 blocks before its block
+plus the clean x_t prompt tokens of its own block), so its logits equal the causal ones: it is
+ISD's bootstrap anchor, the last clean position that yields x_{L+1} before the MASKs that yield
+the drafts, and the x_t block containing P - 1 is a bootstrap forward. All other supervised x_t
+queries are ``<|mask|>`` tokens. Under gated LoRA (gate 0 on clean inputs) that one term per
+sample carries no LoRA gradient.
+
+Rows are packed greedily in input order up to ``pack_length`` slots and padded to exactly
+``pack_length`` (static shapes); padding has segment ``-1``, position 0, ``pad_token_id`` and no
+labels, and attends only to itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from masks.core import AttentionSpec
+from masks.idlm import X0, XT, idlm_mask
+
+IGNORE_INDEX = -100
+
+
+def greedy_pack(lengths: Sequence[int], pack_length: int) -> list[list[int]]:
+    """Sample indices per row: fill rows in order, start a new row when the next sample does not fit.
+
+    ``lengths`` are slot counts (2L per I-DLM sample); a sample longer than ``pack_length`` is an error.
+    """
+    rows: list[list[int]] = []
+    used = pack_length
+    for i, n in enumerate(lengths):
+        if n > pack_length:
+            raise ValueError(f"sample {i} needs {n} slots > pack_length={pack_length}")
+        if used + n > pack_length:
+            rows.append([])
+            used = 0
+        rows[-1].append(i)
+        used += n
+    return rows
+
+
+def build_idlm_batch(
+    samples: Sequence[Mapping[str, Any]],
+    *,
+    mask_token_id: int,
+    block_size: int,
+    pack_length: int,
+    pad_token_id: int = 0,
+) -> dict[str, Any]:
+    """Pack tokenised samples into one I-DLM batch.
+
+    ``samples``: each with ``input_ids`` (prompt + answer + eos; list or 1-D tensor) and
+    ``prompt_len`` (int, 0 <= prompt_len <= len(input_ids)).
+
+    Returns, with r rows and s = ``pack_length``:
+
+    * ``input_ids``, ``position_ids``: ``[r, s]`` long;
+    * ``labels_mask_stream``: ``[r, s]``, the target token on x_t slots whose target is an answer
+      token, ``-100`` elsewhere; ``labels_clean_stream``: the same on x_0 slots;
+    * ``attention``: ``AttentionSpec(idlm_mask, {segment_ids, stream, block_ids, position_ids})``;
+    * ``n_answer_tokens``: 0-d long, supervised targets per stream in the batch.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if not samples:
+        raise ValueError("build_idlm_batch got no samples")
+    token_lists = [_checked_ids(i, s, mask_token_id) for i, s in enumerate(samples)]
+    for i, ids in enumerate(token_lists):
+        if 2 * len(ids) > pack_length:
+            raise ValueError(
+                f"sample {i}: length L={len(ids)} needs 2L={2 * len(ids)} slots as [x_t | x_0] "
+                f"> pack_length={pack_length}; truncate upstream or raise pack_length"
+            )
+    rows = greedy_pack([2 * len(ids) for ids in token_lists], pack_length)
+
+    fields = ("input_ids", "position_ids", "labels_mask_stream", "labels_clean_stream", "segment_ids", "stream")
+    out: dict[str, list[torch.Tensor]] = {k: [] for k in fields}
+    for row in rows:
+        parts = [_sample_slots(token_lists[i], int(samples[i]["prompt_len"]), seg, mask_token_id)
+                 for seg, i in enumerate(row)]
+        row_tensors = {k: torch.cat([p[k] for p in parts]) for k in fields}
+        n_pad = pack_length - row_tensors["input_ids"].numel()
+        pad_values = {"input_ids": pad_token_id, "position_ids": 0, "labels_mask_stream": IGNORE_INDEX,
+                      "labels_clean_stream": IGNORE_INDEX, "segment_ids": -1, "stream": X0}
+        for k in fields:
+            out[k].append(torch.cat([row_tensors[k], torch.full((n_pad,), pad_values[k], dtype=torch.long)]))
+    batch = {k: torch.stack(v) for k, v in out.items()}  # each [r, s]
+
+    metadata = {
+        "segment_ids": batch.pop("segment_ids"),
+        "stream": batch.pop("stream"),
+        "block_ids": batch["position_ids"] // block_size,
+        "position_ids": batch["position_ids"],
+    }
+    batch["attention"] = AttentionSpec(idlm_mask, metadata)
+    batch["n_answer_tokens"] = (batch["labels_mask_stream"] != IGNORE_INDEX).sum()
+    return batch
+
+
+def _checked_ids(index: int, sample: Mapping[str, Any], mask_token_id: int) -> torch.Tensor:
+    ids = torch.as_tensor(sample["input_ids"], dtype=torch.long)
+    prompt_len = int(sample["prompt_len"])
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"sample {index}: input_ids must be a non-empty 1-D sequence, got shape {tuple(ids.shape)}")
+    if not 0 <= prompt_len <= ids.numel():
+        raise ValueError(f"sample {index}: prompt_len={prompt_len} outside [0, {ids.numel()}] (len(input_ids))")
+    if (ids == mask_token_id).any():
+        pos = int((ids == mask_token_id).nonzero()[0])
+        raise ValueError(f"sample {index}: input_ids contain the mask token id {mask_token_id} at position {pos}")
+    return ids
+
+
+def _sample_slots(ids: torch.Tensor, prompt_len: int, segment: int, mask_token_id: int) -> dict[str, torch.Tensor]:
+    """The 2L slots ``[x_t | x_0]`` of one sample, every field ``[2L]``."""
+    length = ids.numel()
+    positions = torch.arange(length)  # [l]
+    noisy = torch.where(positions >= prompt_len, torch.full_like(ids, mask_token_id), ids)  # [l]
+
+    # Logit shift: position i predicts ids[i + 1]; keep answer targets only; the last position has none.
+    targets = torch.full_like(ids, IGNORE_INDEX)  # [l]
+    targets[:-1] = torch.where(positions[1:] >= prompt_len, ids[1:], IGNORE_INDEX)
+    ignored = torch.full_like(ids, IGNORE_INDEX)
+
+    return {
+        "input_ids": torch.cat([noisy, ids]),
+        "position_ids": torch.cat([positions, positions]),
+        "labels_mask_stream": torch.cat([targets, ignored]),
+        "labels_clean_stream": torch.cat([ignored, targets]),
+        "segment_ids": torch.full((2 * length,), segment, dtype=torch.long),
+        "stream": torch.cat([torch.full((length,), XT), torch.full((length,), X0)]).long(),
+    }

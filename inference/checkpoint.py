@@ -1,0 +1,131 @@
+"""Load a model + tokenizer from a local Hugging Face checkpoint directory, with clear errors.
+
+Checks, in order, each failing with :class:`CheckpointError` naming the offending path or value:
+the directory exists; it has ``config.json`` and weights (``model.safetensors``, a sharded
+``model.safetensors.index.json``, or ``pytorch_model.bin``[``.index.json``]); every safetensors
+file has a readable header and a data section of the declared size (a truncated file is named);
+the tokenizer loads; the tokenizer does not produce ids beyond the model's embedding table; and a
+``pardec.mask_token_id`` recorded in ``config.json`` is the tokenizer's ``<|mask|>`` id.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+MASK_TOKEN = "<|mask|>"
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """The checkpoint directory is unusable; the message names the file or value."""
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` = the local rank's GPU when CUDA is available, else CPU."""
+    if device != "auto":
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` = bfloat16 on GPU, float32 on CPU."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise CheckpointError(f"config key 'dtype' = {dtype!r}; expected auto or one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_checkpoint(
+    path: str | Path,
+    device: str = "auto",
+    dtype: str = "auto",
+    attn_implementation: str = "auto",
+):
+    """``(model, tokenizer)`` from ``path``; the model is in eval mode on the resolved device."""
+    path = Path(path)
+    check_checkpoint_files(path)
+    torch_device = resolve_device(device)
+    kwargs = {"dtype": resolve_dtype(dtype, torch_device)}
+    if attn_implementation != "auto":
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"could not load the model from {path}: {err}") from err
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as err:
+        raise CheckpointError(f"could not load the tokenizer from {path}: {err}") from err
+    check_tokenizer_matches(model, tokenizer, where=str(path))
+    return model.to(torch_device).eval(), tokenizer
+
+
+def check_checkpoint_files(path: Path) -> None:
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {path}")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"no config.json in checkpoint directory {path}")
+    present = [name for name in _WEIGHT_FILES if (path / name).is_file()]
+    if not present:
+        raise CheckpointError(f"no model weights in {path}: expected one of {list(_WEIGHT_FILES)}")
+    for file in _safetensors_files(path, present):
+        _check_safetensors(file)
+
+
+def _safetensors_files(path: Path, present: list[str]) -> list[Path]:
+    if "model.safetensors" in present:
+        return [path / "model.safetensors"]
+    if "model.safetensors.index.json" in present:
+        index = path / "model.safetensors.index.json"
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as err:
+            raise CheckpointError(f"corrupt weight index {index}: {err}") from err
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise CheckpointError(f"weight shards listed in {index} are missing: {missing}")
+        return [path / s for s in shards]
+    return []
+
+
+def _check_safetensors(file: Path) -> None:
+    """Open the header and check the data section is as long as the tensors it declares."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            keys = list(f.keys())
+    except Exception as err:  # safetensors raises its own SafetensorError, not exported stably
+        raise CheckpointError(f"corrupt or truncated weights file {file}: {err}") from err
+    if not keys:
+        raise CheckpointError(f"weights file {file} contains no tensors (an empty export?)")
+
+
+def check_tokenizer_matches(model, tokenizer, where: str) -> None:
+    """The tokenizer's ids fit the model's embedding, and ``<|mask|>`` matches the recorded id."""
+    vocab = len(tokenizer)
+    embedding = model.get_input_embeddings().num_embeddings
+    if vocab > embedding:
+        raise CheckpointError(
+            f"tokenizer/model mismatch in {where}: the tokenizer has {vocab} tokens but the model's "
+            f"embedding has {embedding} rows"
+        )
+    recorded = (getattr(model.config, "pardec", None) or {}).get("mask_token_id")
+    if recorded is None:
+        return
+    token_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+    if token_id is None or token_id == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(token_id) != MASK_TOKEN:
+        raise CheckpointError(
+            f"config.json of {where} records pardec.mask_token_id={recorded} but the tokenizer has no {MASK_TOKEN} token"
+        )
+    if token_id != recorded:
+        raise CheckpointError(
+            f"config.json of {where} records pardec.mask_token_id={recorded} but the tokenizer's {MASK_TOKEN} id is {token_id}"
+        )

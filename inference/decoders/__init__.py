@@ -1,0 +1,1 @@
+"""Validation decoders behind one interface (``base.Decoder``), looked up by name in ``registry``."""

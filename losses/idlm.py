@@ -1,0 +1,82 @@
+"""I-DLM introspective-consistency loss: L = L_mask + s * L_clean (SPEC §1).
+
+References: Introspective Diffusion Language Models (I-DLM), arXiv:2604.11035, §3.1 Eq. (1)-(2).
+
+Labels come from ``data_pipelines.idlm_batch`` (logit shift already applied, ``-100`` = ignored):
+
+* L_mask: CE summed over the x_t slots whose target is an answer token, divided by their number,
+  which is the number of answer tokens (the decode pathway, q);
+* L_clean: token-mean CE over the x_0 slots with answer targets (the introspection pathway, p);
+* s: a fixed ``clean_scale`` α (0.2 in the first stride expansions) or ``"auto"``:
+  s = L_mask.detach() / (L_clean.detach() + 1e-8), a constant per step (no gradient through s).
+
+A stream with no supervised slot (e.g. every sample is prompt only) contributes an exact zero that
+stays in the autograd graph (zero gradients, never NaN); with ``"auto"`` s is then 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+AUTO = "auto"
+IGNORE_INDEX = -100
+
+
+def idlm_loss(
+    logits: torch.Tensor,
+    labels_mask_stream: torch.Tensor,
+    labels_clean_stream: torch.Tensor,
+    clean_scale: float | str = AUTO,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Total loss and floats to log (``l_mask``, ``l_clean``, ``scale``, ``n_answer_tokens``).
+
+    ``logits``: ``[b, s, V]`` over the packed ``[x_t | x_0]`` rows; labels: ``[b, s]``.
+    ``clean_scale``: ``"auto"`` or a fixed α >= 0.
+    """
+    if logits.shape[:2] != labels_mask_stream.shape or logits.shape[:2] != labels_clean_stream.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} do not match labels {tuple(labels_mask_stream.shape)} / "
+            f"{tuple(labels_clean_stream.shape)}"
+        )
+    auto = _check_scale(clean_scale)
+
+    # 1. Decode pathway: CE on x_t slots whose (shifted) target is an answer token.
+    l_mask, _ = _token_mean_ce(logits, labels_mask_stream)  # []
+
+    # 2. Introspection pathway: CE on x_0 slots with answer targets (the AR objective).
+    l_clean, n_clean = _token_mean_ce(logits, labels_clean_stream)  # []
+
+    # 3. Scale of the clean term: fixed α, or the detached loss ratio (auto-balance).
+    scale = l_mask.detach() / (l_clean.detach() + 1e-8) if auto else float(clean_scale)  # [] or float
+
+    # 4. Total.
+    total = l_mask + scale * l_clean  # []
+    logs = {
+        "l_mask": float(l_mask.detach()),
+        "l_clean": float(l_clean.detach()),
+        "scale": float(scale),
+        "n_answer_tokens": float(n_clean),
+    }
+    return total, logs
+
+
+def _token_mean_ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Mean CE over the slots with ``labels != -100`` and their count. Only those rows of the logits
+    are gathered and upcast to float32 (same value as ``ignore_index=-100`` on the full tensor)."""
+    keep = labels != IGNORE_INDEX  # [b, s]
+    count = int(keep.sum())
+    if count == 0:
+        return logits.flatten()[:0].sum().float(), 0  # exact 0 in the graph, even if logits hold inf
+    picked = logits[keep].float()  # [n, V]
+    return F.cross_entropy(picked, labels[keep], reduction="sum") / count, count
+
+
+def _check_scale(clean_scale: float | str) -> bool:
+    if isinstance(clean_scale, str):
+        if clean_scale != AUTO:
+            raise ValueError(f"clean_scale must be {AUTO!r} or a number >= 0, got {clean_scale!r}")
+        return True
+    if not clean_scale >= 0:
+        raise ValueError(f"clean_scale must be {AUTO!r} or a number >= 0, got {clean_scale!r}")
+    return False

@@ -1,0 +1,150 @@
+"""Attention masks written once, as predicates, and materialised per backend.
+
+A *mask predicate* is a FlexAttention ``mask_mod``: ``allowed(b, h, q_idx, kv_idx) -> bool``,
+built by a factory from per-token metadata tensors (segment ids, stream ids, block ids, ...), each
+shaped ``[batch, seq]``. The predicate body may use only tensor indexing and elementwise ops, so
+the very same function serves two backends:
+
+* ``dense_additive_mask`` broadcasts index grids through it and returns a float additive mask
+  ``[b, 1, q, kv]`` (0 where allowed, dtype-min elsewhere) for SDPA / eager attention. A boolean
+  4-D mask is silently misread as additive by transformers' eager path, so only float is produced.
+* ``flex_block_mask`` hands it to a compiled ``create_block_mask`` (GPU) and returns a
+  ``BlockMask`` for ``attn_implementation="flex_attention"``.
+
+``AttentionSpec`` carries (predicate factory, metadata) inside a batch, so collators stay free of
+any backend choice and the model wrapper materialises the mask it needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Callable, Mapping
+
+import torch
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+MaskFactory = Callable[..., MaskMod]
+
+DENSE_BACKENDS = ("sdpa", "eager")
+FLEX_BACKEND = "flex_attention"
+FLASH_BACKEND = "flash_attention_2"
+
+
+@dataclass
+class AttentionSpec:
+    """A mask predicate factory plus the ``[b, s]`` metadata it closes over.
+
+    ``factory`` must be a module-level function (picklable for DataLoader workers) called as
+    ``factory(**metadata)``. ``causal_document`` marks specs that are exactly a per-segment causal
+    mask, which flash-attn can run from position ids alone (varlen).
+    """
+
+    factory: MaskFactory
+    metadata: dict[str, torch.Tensor] = field(default_factory=dict)
+    causal_document: bool = False
+
+    def mask_mod(self) -> MaskMod:
+        return self.factory(**self.metadata)
+
+    def to(self, device: torch.device | str) -> "AttentionSpec":
+        moved = {k: v.to(device) for k, v in self.metadata.items()}
+        return AttentionSpec(self.factory, moved, self.causal_document)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        first = next(iter(self.metadata.values()))
+        return int(first.shape[0]), int(first.shape[1])
+
+
+def dense_bool_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device=None) -> torch.Tensor:
+    """Evaluate ``mask_mod`` on the full (b, q, kv) grid by broadcasting. Returns ``[b, q, kv]`` bool."""
+    b = torch.arange(batch, device=device).view(batch, 1, 1)
+    h = torch.zeros((), dtype=torch.long, device=device)
+    q = torch.arange(q_len, device=device).view(1, q_len, 1)
+    kv = torch.arange(kv_len, device=device).view(1, 1, kv_len)
+    allowed = mask_mod(b, h, q, kv)
+    return allowed.expand(batch, q_len, kv_len)
+
+
+def dense_additive_mask(spec: AttentionSpec, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Float additive mask ``[b, 1, s, s]``: 0 where attention is allowed, ``finfo.min`` elsewhere."""
+    batch, seq = spec.shape
+    device = next(iter(spec.metadata.values())).device
+    allowed = dense_bool_mask(spec.mask_mod(), batch, seq, seq, device)
+    additive = torch.zeros(batch, 1, seq, seq, dtype=dtype, device=device)
+    return additive.masked_fill_(~allowed.unsqueeze(1), torch.finfo(dtype).min)
+
+
+@lru_cache(maxsize=1)
+def _compiled_create_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask, dynamic=False)
+
+
+def flex_block_mask(spec: AttentionSpec, compile: bool = True):
+    """FlexAttention ``BlockMask`` from the same predicate (GPU path; compiled once, cached per shape
+    by ``torch.compile``'s shape specialisation)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, seq = spec.shape
+    device = next(iter(spec.metadata.values())).device
+    build = _compiled_create_block_mask() if compile else create_block_mask
+    return build(spec.mask_mod(), batch, None, seq, seq, device=device)
+
+
+def materialize(spec: AttentionSpec | None, attn_implementation: str, dtype: torch.dtype):
+    """The ``attention_mask`` argument a transformers model expects for this backend.
+
+    flash_attention_2 cannot take an arbitrary mask: only causal-document specs are accepted, and
+    the model then derives the varlen boundaries from the (restarting) position ids.
+    """
+    if spec is None:
+        return None
+    if attn_implementation in DENSE_BACKENDS:
+        return dense_additive_mask(spec, dtype)
+    if attn_implementation == FLEX_BACKEND:
+        return flex_block_mask(spec)
+    if attn_implementation == FLASH_BACKEND:
+        if not spec.causal_document:
+            raise ValueError(
+                f"attn_implementation={FLASH_BACKEND!r} supports only per-segment causal masks; "
+                f"the mask {spec.factory.__name__!r} needs 'flex_attention' (GPU) or 'sdpa' (CPU)."
+            )
+        return None
+    raise ValueError(f"unknown attn_implementation {attn_implementation!r}")
+
+
+def causal_document(segment_ids: torch.Tensor) -> MaskMod:
+    """Token-causal attention inside each packed segment; padding (segment ``-1``) sees only itself.
+
+    ``segment_ids``: ``[b, s]``, e.g. ``0 0 0 1 1 -1``::
+
+        q\\kv  a0 a1 a2 b0 b1 pad
+        a0     x  .  .  .  .  .
+        a1     x  x  .  .  .  .
+        a2     x  x  x  .  .  .
+        b0     .  .  .  x  .  .
+        b1     .  .  .  x  x  .
+        pad    .  .  .  .  .  x
+
+    (Padding attending to itself keeps its softmax row finite; its outputs are never used.)
+    """
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        seg_q = segment_ids[b, q_idx]
+        seg_kv = segment_ids[b, kv_idx]
+        same_segment = (seg_q == seg_kv) & (seg_q >= 0)
+        return (same_segment & (kv_idx <= q_idx)) | (q_idx == kv_idx)
+
+    return mask_mod
+
+
+def causal_document_spec(segment_ids: torch.Tensor) -> AttentionSpec:
+    return AttentionSpec(causal_document, {"segment_ids": segment_ids}, causal_document=True)
+
+
+def metadata_batch(items: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack per-row metadata dicts of equal length into ``[b, s]`` tensors."""
+    return {k: torch.stack([it[k] for it in items]) for k in items[0]}

@@ -1,0 +1,140 @@
+"""Load the base model and tokenizer for training; add ``<|mask|>``; pick the attention backend.
+
+A model comes either from a local Hugging Face checkpoint (``model.path``) or from a transformers
+config (``model.config``, a dict with ``model_type``) for tiny random models. The tokenizer comes
+from ``model.tokenizer``, else ``model.path``; ``synthetic`` builds the embedded default's tokenizer
+(offline, deterministic).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from trainers.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+MASK_TOKEN = "<|mask|>"
+METADATA_KEY = "pardec"
+
+
+def resolve_dtype(name: str, on_gpu: bool) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if on_gpu else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def resolve_attn_implementation(name: str, on_gpu: bool, needs_custom_mask: bool) -> str:
+    """``auto``: flex_attention for structured masks on GPU, flash-attn for plain causal on GPU
+    when installed, sdpa otherwise (CPU). An explicit choice is checked against what is available."""
+    if name == "auto":
+        if not on_gpu:
+            return "sdpa"
+        if needs_custom_mask:
+            return "flex_attention"
+        return "flash_attention_2" if _has_flash_attn() else "sdpa"
+    if name == "flash_attention_2" and not (on_gpu and _has_flash_attn()):
+        raise ConfigError("model.attn_implementation=flash_attention_2 needs a CUDA GPU and the 'gpu' extra (flash-attn)")
+    if name == "flex_attention" and not on_gpu:
+        raise ConfigError(
+            "model.attn_implementation=flex_attention needs a CUDA GPU (FlexAttention has no CPU backward); use sdpa on CPU"
+        )
+    return name
+
+
+def _has_flash_attn() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def load_tokenizer(model_cfg, data_cfg) -> PreTrainedTokenizerBase:
+    source = model_cfg.tokenizer or model_cfg.path
+    if source == "synthetic":
+        from data_pipelines.synthetic_tokenizer import build_synthetic_tokenizer
+
+        return build_synthetic_tokenizer(data_cfg.synthetic)
+    if source is None:
+        raise ConfigError("config key 'model.tokenizer' is required with model.config (e.g. model.tokenizer=synthetic)")
+    if not Path(source).is_dir():
+        raise ConfigError(f"tokenizer directory not found: {source} (config key 'model.tokenizer' or 'model.path')")
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=model_cfg.trust_remote_code)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ConfigError(f"tokenizer at {source} has neither a pad nor an eos token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(model_cfg, tokenizer, dtype: torch.dtype, attn_implementation: str):
+    if model_cfg.path is not None:
+        path = Path(model_cfg.path)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model.path={model_cfg.path}: no config.json there (expected a local HF checkpoint directory)")
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=model_cfg.trust_remote_code
+        )
+    else:
+        kwargs = dict(model_cfg.config)
+        model_type = kwargs.pop("model_type", None)
+        if model_type is None:
+            raise ConfigError("config key 'model.config.model_type' is required for a model built from a config")
+        kwargs.setdefault("vocab_size", len(tokenizer))
+        kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
+        kwargs.setdefault("eos_token_id", tokenizer.eos_token_id)
+        kwargs.setdefault("bos_token_id", tokenizer.bos_token_id)
+        config = AutoConfig.for_model(model_type, **kwargs)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    check_tokenizer_matches(model, tokenizer, where=model_cfg.path or "model.config")
+    if model_cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def check_tokenizer_matches(model, tokenizer, where: str) -> None:
+    n_embed = model.get_input_embeddings().num_embeddings  # not weight.shape: empty under ZeRO-3
+    if len(tokenizer) > n_embed:
+        raise ConfigError(
+            f"tokenizer/model mismatch at {where}: tokenizer has {len(tokenizer)} tokens, "
+            f"the model's embedding only {n_embed} rows"
+        )
+
+
+def add_mask_token(model, tokenizer) -> int:
+    """Add ``<|mask|>`` (resizing embeddings only if the id falls outside them) and record its id
+    in ``model.config.pardec`` so decoders never guess it. Returns the id."""
+    if MASK_TOKEN not in tokenizer.get_vocab():
+        tokenizer.add_special_tokens({"additional_special_tokens": [MASK_TOKEN]})
+    mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+    if mask_id >= model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+    record_metadata(model, mask_token_id=mask_id)
+    return mask_id
+
+
+def mask_token_id(model, tokenizer) -> int:
+    """The recorded ``<|mask|>`` id; errors if missing or inconsistent with the tokenizer."""
+    meta = getattr(model.config, METADATA_KEY, None) or {}
+    recorded = meta.get("mask_token_id")
+    if recorded is None:
+        raise ConfigError(
+            f"checkpoint has no '{METADATA_KEY}.mask_token_id' in its config.json: it was not converted with a "
+            f"recipe that adds {MASK_TOKEN}"
+        )
+    tok_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+    if tok_id != recorded or tok_id == tokenizer.unk_token_id:
+        raise ConfigError(f"mask token mismatch: config records {recorded}, tokenizer maps {MASK_TOKEN} to {tok_id}")
+    return recorded
+
+
+def record_metadata(model, **values) -> None:
+    meta = dict(getattr(model.config, METADATA_KEY, None) or {})
+    meta.update(values)
+    setattr(model.config, METADATA_KEY, meta)

@@ -1,0 +1,48 @@
+# torchrun --nproc_per_node 8 -m scripts.train experiment=<x> model.path=<local HF checkpoint> data=<dataset> deepspeed=zero3
+"""Train with a recipe (Hydra config tree in ``recipes/``); one process or many under torchrun.
+
+Examples:
+    python -m scripts.train experiment=default_base                      # the embedded default (CPU)
+    torchrun --nproc_per_node 2 -m scripts.train experiment=default_base deepspeed=zero2
+    python -m scripts.train experiment=default_base --cfg job             # print the composed config
+
+Launch with torchrun, never the ``deepspeed`` launcher (its ``--local_rank`` argument breaks Hydra).
+Only rank 0 writes Hydra's files in the run directory (``output_dir``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from trainers.config import ConfigError, register_schema, validate_train_config
+
+register_schema()
+
+
+def _quiet_non_main_ranks() -> None:
+    if os.environ.get("RANK", "0") != "0":
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra/hydra_logging=disabled"]
+
+
+@hydra.main(config_path="../recipes", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from trainers.trainer import configure_logging, run_recipe
+
+    configure_logging(os.environ.get("RANK", "0") == "0")
+    try:
+        cfg = validate_train_config(cfg)
+    except ConfigError as err:
+        sys.exit(f"config error: {err}")
+    result = run_recipe(cfg)
+    if os.environ.get("RANK", "0") == "0":
+        where = f", Hugging Face export: {result.export_dir}" if result.export_dir else ""
+        print(f"training {result.status} at step {result.step}{where}")
+
+
+if __name__ == "__main__":
+    _quiet_non_main_ranks()
+    main()

@@ -1,0 +1,63 @@
+"""Shared fixtures for the inference tests: a tiny word-level tokenizer, tiny random causal LMs,
+a checkpoint directory and a small jsonl eval set, all built offline in seconds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+WORDS = "Question: Answer: what is plus minus ? #### apples Tom has".split() + [str(d) for d in range(10)]
+SPECIAL = ["<eos>", "<unk>", "<bos>"]
+
+
+def tiny_tokenizer(extra_tokens: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + WORDS + list(extra_tokens))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>", bos_token="<bos>", pad_token="<eos>"
+    )
+
+
+def tiny_model(vocab_size: int, arch: str = "qwen3", seed: int = 0):
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        eos_token_id=0,
+        bos_token_id=2,
+        pad_token_id=0,
+    )
+    if arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    return model.eval()
+
+
+def save_checkpoint(path: Path, arch: str = "qwen3", seed: int = 0) -> Path:
+    tok = tiny_tokenizer()
+    tiny_model(len(tok), arch, seed).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+EVAL_ROWS = [
+    {"prompt": f"Question: what is {a} plus {b} ? Answer:", "response": f"#### {a + b}", "answer": str(a + b)}
+    for a, b in [(1, 2), (3, 4), (2, 2), (5, 1), (0, 7), (4, 4), (6, 3)]
+]
+
+
+def write_eval_jsonl(path: Path, rows: list[dict] = EVAL_ROWS) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

@@ -1,0 +1,76 @@
+"""Config composition of every recipe/experiment, schema validation and derived DeepSpeed keys."""
+
+from __future__ import annotations
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError
+
+from tests.train_utils import RECIPES, compose_train
+from trainers.config import ConfigError
+from trainers.deepspeed_config import build_deepspeed_config
+
+EXPERIMENTS = sorted(p.stem for p in (RECIPES / "experiment").glob("*.yaml"))
+RECIPE_NAMES = sorted(p.stem for p in (RECIPES / "recipe").glob("*.yaml"))
+DEEPSPEED = sorted(p.stem for p in (RECIPES / "deepspeed").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes(experiment):
+    cfg = compose_train([f"experiment={experiment}"])
+    assert cfg.experiment_name == experiment
+    assert cfg.recipe.name in RECIPE_NAMES
+
+
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_every_recipe_composes(recipe):
+    assert compose_train([f"recipe={recipe}"]).recipe.name == recipe
+
+
+@pytest.mark.parametrize("zero", DEEPSPEED)
+def test_every_deepspeed_option_composes(zero):
+    cfg = compose_train([f"deepspeed={zero}"])
+    assert cfg.deepspeed.stage in (0, 1, 2, 3)
+
+
+def test_mistyped_key_fails_naming_it():
+    with pytest.raises((ConfigCompositionException, ConfigKeyError)) as err:
+        compose_train(["trainer.lrr=1e-5"])
+    assert "lrr" in str(err.value) + str(err.value.__cause__)
+
+
+def test_added_unknown_key_fails_naming_it():
+    with pytest.raises((ConfigCompositionException, ConfigKeyError, ConfigError)) as err:
+        compose_train(["+model.hiden_size=3"])
+    assert "hiden_size" in str(err.value) + str(err.value.__cause__)
+
+
+def test_unknown_recipe_key_fails_naming_it():
+    with pytest.raises(ConfigError, match="bogus_key"):
+        compose_train(["+recipe.bogus_key=1"])
+
+
+def test_bad_value_fails_naming_key():
+    with pytest.raises(ConfigError, match="data.length_policy"):
+        compose_train(["data.length_policy=sometimes"])
+
+
+def test_unknown_recipe_name_lists_known_ones():
+    with pytest.raises(ConfigError, match="recipe.name"):
+        compose_train(["recipe.name=nonexistent"])
+
+
+def test_deepspeed_batch_keys_are_derived():
+    cfg = compose_train(["trainer.micro_batch_size=3", "trainer.grad_accum=5", "deepspeed=zero2"])
+    ds = build_deepspeed_config(cfg, world_size=8, bf16=True)
+    assert ds["train_batch_size"] == 3 * 5 * 8
+    assert ds["train_micro_batch_size_per_gpu"] == 3
+    assert ds["gradient_accumulation_steps"] == 5
+    assert ds["zero_optimization"]["stage"] == 2
+    assert ds["bf16"]["enabled"] is True
+
+
+def test_offload_needs_a_zero_stage():
+    cfg = compose_train(["deepspeed.offload_optimizer=true"])
+    with pytest.raises(ValueError, match="offload_optimizer"):
+        build_deepspeed_config(cfg, world_size=1, bf16=False)

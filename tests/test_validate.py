@@ -1,0 +1,164 @@
+"""Evaluation core, validate config, and ``scripts/validate.py`` (1 process and torchrun 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+import scripts.validate  # noqa: F401  (registers the validate_schema config node)
+from data_pipelines.sources import DataError
+from inference.config import validate_validate_config
+from inference.evaluate import encode_prompt, evaluate, evaluate_model
+from tests.helpers_inference import EVAL_ROWS, save_checkpoint, tiny_model, tiny_tokenizer, write_eval_jsonl
+from trainers.config import ConfigError
+
+torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parents[1]
+TIMING_KEYS = {"tps", "decode_time_s"}
+
+
+@pytest.fixture(scope="module")
+def tok_model():
+    tok = tiny_tokenizer()
+    return tok, tiny_model(len(tok))
+
+
+def eval_set(rows=EVAL_ROWS) -> datasets.Dataset:
+    return datasets.Dataset.from_list(rows)
+
+
+def test_evaluate_model_ar_greedy_in_memory(tok_model):
+    tok, model = tok_model
+    model.train()
+    metrics = evaluate_model(model, tok, eval_set(), {"name": "ar", "max_new_tokens": 6, "batch_size": 3})
+    assert model.training  # mode restored
+    assert metrics["num_samples"] == len(EVAL_ROWS) and metrics["tpf"] == 1.0
+    assert metrics["accuracy_n"] == len(EVAL_ROWS)
+    assert metrics["agreement_exact"] == "reference"
+    model.eval()
+
+
+def test_evaluate_sampling_measures_agreement_against_ar_greedy(tok_model):
+    tok, model = tok_model
+    cold = evaluate(model, tok, eval_set(), {"name": "ar", "greedy": False, "temperature": 1e-4, "max_new_tokens": 6})
+    assert cold.metrics["agreement_exact"] == 1.0 and cold.metrics["agreement_prefix"] == 1.0
+    assert all(r["reference_ids"] == r["output_ids"] for r in cold.records)
+    hot = evaluate_model(model, tok, eval_set(), {"name": "ar", "greedy": False, "temperature": 5.0, "max_new_tokens": 6})
+    assert hot["agreement_exact"] < 1.0
+    off = evaluate_model(model, tok, eval_set(), {"name": "ar", "greedy": False, "max_new_tokens": 2}, agreement=False)
+    assert off["agreement_exact"] is None
+
+
+def test_answer_scoring_uses_answer_column_or_response(tok_model):
+    tok, model = tok_model
+    rows = [{"prompt": "Question: what is 1 plus 2 ? Answer:", "response": "#### 3"}]
+    [record] = evaluate(model, tok, eval_set(rows), {"name": "ar", "max_new_tokens": 2}).records
+    assert record["answer"] == "3" and record["correct"] is False
+
+
+def test_prompt_formatting_bos_and_empty_prompt():
+    tok = tiny_tokenizer()
+    plain = encode_prompt(tok, "what is 1", "plain", add_bos=False, index=0)
+    assert plain == tok("what is 1", add_special_tokens=False)["input_ids"]
+    assert encode_prompt(tok, "what is 1", "plain", add_bos=True, index=0) == [tok.bos_token_id] + plain
+    with pytest.raises(DataError, match="eval sample 5 has an empty prompt"):
+        encode_prompt(tok, "", "plain", add_bos=False, index=5)
+
+
+def test_chat_template_prompt():
+    tok = tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}Question: {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}Answer:{% endif %}"
+    ids = encode_prompt(tok, "what is 1", "chat", add_bos=True, index=0)
+    assert ids == tok("Question: what is 1 Answer:", add_special_tokens=False)["input_ids"]
+
+
+def test_chat_template_without_one_is_a_data_error(tok_model):
+    tok, model = tok_model
+    with pytest.raises(DataError, match="data.template=chat"):
+        evaluate_model(model, tok, eval_set(), {"name": "ar"}, template="chat")
+
+
+def compose_validate(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
+        return compose("validate", overrides=overrides)
+
+
+def test_validate_config_defaults_and_errors():
+    cfg = validate_validate_config(compose_validate(["checkpoint=/x", "decoder=ar_sample"]))
+    assert cfg.decoder.name == "ar" and cfg.decoder.greedy is False and cfg.data.source == "synthetic"
+    with pytest.raises(ConfigError, match="'checkpoint' is required"):
+        validate_validate_config(compose_validate([]))
+    with pytest.raises(ConfigError, match="decoder.temprature"):
+        validate_validate_config(compose_validate(["checkpoint=/x", "+decoder.temprature=1"]))
+    with pytest.raises(ConfigError, match="attn_implementation"):
+        validate_validate_config(compose_validate(["checkpoint=/x", "attn_implementation=flashy"]))
+    with pytest.raises(ConfigCompositionException, match="dtyp"):
+        compose_validate(["checkpoint=/x", "dtyp=float32"])
+    with pytest.raises(ConfigError, match="dtyp"):
+        validate_validate_config(compose_validate(["checkpoint=/x", "+dtyp=float32"]))
+    with pytest.raises(ConfigError, match="data.sourc"):
+        validate_validate_config(compose_validate(["checkpoint=/x", "+data.sourc=files"]))
+
+
+def run_validate(launcher: list[str], ck: Path, data: Path, out: Path, cwd: Path, extra: list[str]) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = launcher + [
+        "-m", "scripts.validate", f"checkpoint={ck}", "data.source=files", f"data.eval_files=[{data}]",
+        f"output_dir={out}", "progress=false", *extra,
+    ]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def read_outputs(out: Path) -> tuple[dict, list[dict]]:
+    metrics = json.loads((out / "metrics.json").read_text())["metrics"]
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    return metrics, samples
+
+
+def test_validate_cli_single_process(tmp_path):
+    ck = save_checkpoint(tmp_path / "ck")
+    data = write_eval_jsonl(tmp_path / "eval.jsonl")
+    run_validate([sys.executable], ck, data, tmp_path / "out", tmp_path, ["decoder.max_new_tokens=5"])
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["metrics.json", "metrics.md", "samples.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "eval.jsonl", "out"]  # no Hydra clutter
+    metrics, samples = read_outputs(tmp_path / "out")
+    assert metrics["tpf"] == 1.0 and [s["index"] for s in samples] == list(range(len(EVAL_ROWS)))
+    assert "| tpf | 1.0000 |" in (tmp_path / "out" / "metrics.md").read_text()
+
+
+def test_validate_cli_missing_checkpoint_is_a_clear_error(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.validate", f"checkpoint={tmp_path / 'nope'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode != 0 and f"checkpoint directory not found: {tmp_path / 'nope'}" in proc.stderr
+    assert not (tmp_path / "nope").exists()
+
+
+@pytest.mark.slow
+def test_validate_two_processes_match_one(tmp_path):
+    ck = save_checkpoint(tmp_path / "ck")
+    data = write_eval_jsonl(tmp_path / "eval.jsonl")
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", "2"]
+    extra = ["decoder=ar_sample", "decoder.max_new_tokens=6", "decoder.batch_size=2"]
+    run_validate([sys.executable], ck, data, tmp_path / "one", tmp_path, extra)
+    run_validate(torchrun, ck, data, tmp_path / "two", tmp_path, extra)
+    (m1, s1), (m2, s2) = read_outputs(tmp_path / "one"), read_outputs(tmp_path / "two")
+    assert {r["rank"] for r in s2} == {0, 1}
+    drop = {"rank", "wall_time_s"}
+    assert [{k: v for k, v in r.items() if k not in drop} for r in s1] == [
+        {k: v for k, v in r.items() if k not in drop} for r in s2
+    ]
+    assert {k: v for k, v in m1.items() if k not in TIMING_KEYS} == {k: v for k, v in m2.items() if k not in TIMING_KEYS}
+    assert json.loads((tmp_path / "two" / "metrics.json").read_text())["world_size"] == 2

@@ -1,0 +1,55 @@
+"""Compose training configs with Hydra's compose API and run them in-process or under torchrun."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file
+
+from trainers.config import register_schema, validate_train_config
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes"
+
+# Small and fast: 64 generated problems, short packed rows, no wandb, no progress bar.
+FAST = [
+    "logging=none",
+    "logging.progress_bar=false",
+    "data.synthetic.num_train=64",
+    "data.pack_length=256",
+    "trainer.micro_batch_size=2",
+    "trainer.log_every=1",
+    "trainer.lr=1e-3",
+]
+
+
+def compose_train(overrides: list[str], validate: bool = True):
+    register_schema()
+    with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    return validate_train_config(cfg) if validate else cfg
+
+
+def run_in_process(overrides: list[str]):
+    from trainers.trainer import run_recipe
+
+    return run_recipe(compose_train(FAST + overrides))
+
+
+def run_torchrun(overrides: list[str], nproc: int, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "scripts.train", *FAST, *overrides]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def exported_weights(export_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(export_dir / "model.safetensors"))

@@ -1,0 +1,262 @@
+"""The one training loop: a recipe's stages, each a DeepSpeed run over the method's batches.
+
+``run_recipe`` expands ``recipe.stages`` (a stride curriculum, distillation rounds, ...) into a chain
+of stage runs; stage i+1 starts from stage i's Hugging Face export, and a finished stage is skipped
+on resume. ``train_stage`` is a plain DeepSpeed loop: the method supplies dataset, collation and
+loss; the trainer owns optimiser, schedule, ZeRO, logging, checkpoints, preemption and export.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from data_pipelines.sources import load_raw_split
+from data_pipelines.tokenize import tokenize_dataset
+from methods.base import move_batch
+from methods.registry import build_method
+from models.loading import load_model, load_tokenizer, record_metadata, resolve_attn_implementation, resolve_dtype
+from trainers.checkpoint import find_resume_dir, load_checkpoint, save_checkpoint
+from trainers.data_order import DataOrder
+from trainers.deepspeed_config import build_deepspeed_config
+from trainers.distributed import DistInfo, all_reduce_mean, any_rank, barrier, init_distributed
+from trainers.export import export_hf
+from trainers.metrics_logger import MetricsLogger
+from trainers.preemption import PREEMPTED_MARKER, PreemptionWatch
+from trainers.schedule import build_scheduler
+
+log = logging.getLogger(__name__)
+
+HF_EXPORT_DIR = "hf"
+DONE_MARKER = "DONE"
+
+
+@dataclass
+class StageResult:
+    status: str  # finished | preempted | stopped
+    step: int
+    export_dir: Path | None
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def expand_stages(cfg: DictConfig) -> list[DictConfig]:
+    """One config per stage. A stage is ``{name, max_steps, overrides}``; overrides are recipe keys."""
+    stages = list(cfg.recipe.stages)
+    if not stages:
+        return [cfg]
+    out = []
+    for i, stage in enumerate(stages):
+        unknown = set(stage) - {"name", "max_steps", "overrides"}
+        if unknown:
+            raise ValueError(f"recipe.stages[{i}]: unknown keys {sorted(unknown)} (allowed: name, max_steps, overrides)")
+        stage_cfg = cfg.copy()
+        OmegaConf.set_struct(stage_cfg, True)
+        name = stage.get("name", f"stage{i}")
+        for key, value in (stage.get("overrides") or {}).items():
+            if OmegaConf.select(stage_cfg.recipe, key, default="__missing__") == "__missing__":
+                raise ValueError(f"recipe.stages[{i}] ({name}): override key 'recipe.{key}' does not exist")
+            OmegaConf.update(stage_cfg.recipe, key, value, merge=True)
+        if "max_steps" in stage:
+            stage_cfg.trainer.max_steps = stage["max_steps"]
+        stage_cfg.output_dir = str(Path(cfg.output_dir) / "stages" / f"{i:02d}-{name}")
+        out.append(stage_cfg)
+    return out
+
+
+def run_recipe(cfg: DictConfig) -> StageResult:
+    dist_info = init_distributed()
+    stages = expand_stages(cfg)
+    result = None
+    previous_export: Path | None = None
+    for i, stage_cfg in enumerate(stages):
+        if previous_export is not None:
+            stage_cfg.model.path = str(previous_export)
+            stage_cfg.model.config = None
+            stage_cfg.model.tokenizer = None
+        stage_dir = Path(stage_cfg.output_dir)
+        if (stage_dir / DONE_MARKER).is_file():
+            previous_export = stage_dir / HF_EXPORT_DIR
+            if dist_info.is_main:
+                log.info("stage %d (%s) already finished; skipping", i, stage_dir)
+            continue
+        result = train_stage(stage_cfg, dist_info)
+        if result.status != "finished":
+            return result
+        previous_export = result.export_dir
+    if result is None:
+        final = Path(stages[-1].output_dir) / HF_EXPORT_DIR
+        return StageResult("finished", -1, final)
+    return result
+
+
+def _param_groups(model, weight_decay: float) -> list[dict[str, Any]]:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _build_optimizer(model, cfg, on_gpu: bool):
+    groups = _param_groups(model, cfg.trainer.weight_decay)
+    betas = tuple(cfg.trainer.betas)
+    if cfg.deepspeed.offload_optimizer:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=cfg.trainer.lr, betas=betas, eps=cfg.trainer.eps)
+    return torch.optim.AdamW(groups, lr=cfg.trainer.lr, betas=betas, eps=cfg.trainer.eps, fused=on_gpu)
+
+
+def _write_run_files(cfg: DictConfig, ds_config: dict, run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    (run_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2))
+
+
+def train_stage(cfg: DictConfig, dist_info: DistInfo) -> StageResult:
+    import deepspeed
+
+    run_dir = Path(cfg.output_dir)
+    on_gpu = dist_info.device.type == "cuda"
+    dtype = resolve_dtype(cfg.model.dtype, on_gpu)
+    ds_config = build_deepspeed_config(cfg, dist_info.world_size, bf16=dtype == torch.bfloat16)
+    if dist_info.is_main:
+        _write_run_files(cfg, ds_config, run_dir)
+    barrier()
+    seed_everything(cfg.trainer.seed)
+
+    # 1. tokenizer, method and data (rank 0 first, so the datasets cache is written once)
+    tokenizer = load_tokenizer(cfg.model, cfg.data)
+    method = build_method(cfg.recipe, tokenizer)
+    attn_impl = resolve_attn_implementation(cfg.model.attn_implementation, on_gpu, method.needs_custom_mask)
+    if not dist_info.is_main:
+        barrier()
+    tokenized = tokenize_dataset(load_raw_split(cfg.data, "train"), tokenizer, cfg.data, "train")
+    if dist_info.is_main:
+        barrier()
+
+    # 2. model (partitioned at load time under ZeRO-3), method-specific changes, DeepSpeed engine
+    hf_ds_config = None
+    if cfg.deepspeed.stage == 3:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841 (must stay alive while loading)
+    model = load_model(cfg.model, tokenizer, dtype, attn_impl)
+    model = method.prepare_model(model)
+    train_ds = method.build_train_dataset(tokenized, cfg.data, model)
+    optimizer = _build_optimizer(model, cfg, on_gpu)
+    scheduler = build_scheduler(optimizer, cfg.trainer)
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+    )
+
+    # 3. resume
+    state: dict[str, Any] = {"step": 0, "wandb_run_id": None}
+    resume_dir = find_resume_dir(run_dir, cfg.trainer.resume)
+    if resume_dir is not None:
+        state = load_checkpoint(engine, resume_dir, dist_info.rank)
+        if dist_info.is_main:
+            log.info("resumed from %s at step %d", resume_dir, state["step"])
+    start_step = state["step"]
+
+    order = DataOrder(len(train_ds), cfg.trainer.micro_batch_size, cfg.trainer.grad_accum,
+                      dist_info.world_size, dist_info.rank, cfg.trainer.seed)
+    logger = MetricsLogger(cfg.logging, run_dir, dist_info.is_main, cfg.trainer.max_steps, start_step,
+                           state.get("wandb_run_id"), OmegaConf.to_container(cfg, resolve=True))
+    watch = PreemptionWatch(run_dir)
+    ckpt_root = run_dir / "checkpoints"
+
+    def checkpoint(step: int) -> None:
+        save_checkpoint(engine, ckpt_root, step, {"step": step, "wandb_run_id": logger.run_id},
+                        dist_info.rank, cfg.trainer.keep_checkpoints)
+
+    def export(name: str) -> Path:
+        record_metadata(engine.module, **method.export_metadata())
+        return export_hf(engine.module, tokenizer, run_dir / name, cfg.deepspeed.stage, dist_info.rank)
+
+    # 4. the loop
+    step, steps_this_process = start_step, 0
+    window: dict[str, float] = {}
+    window_steps, window_start = 0, time.perf_counter()
+    engine.train()
+    while step < cfg.trainer.max_steps:
+        for indices in order.micro_batches(step):
+            batch = move_batch(method.collate([train_ds[i] for i in indices]), dist_info.device)
+            loss, metrics = method.loss(engine, batch)
+            engine.backward(loss)
+            engine.step()
+            for k, v in metrics.items():
+                window[k] = window.get(k, 0.0) + v / cfg.trainer.grad_accum
+        step += 1
+        steps_this_process += 1
+        window_steps += 1
+        logger.advance()
+
+        if step % cfg.trainer.log_every == 0 or step == cfg.trainer.max_steps:
+            means = all_reduce_mean({k: v / window_steps for k, v in window.items()})
+            elapsed = time.perf_counter() - window_start
+            grad_norm = engine.get_global_grad_norm()
+            logger.log(step, {
+                **means,
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                "epoch": order.epoch_of(step),
+                "steps_per_s": window_steps / elapsed,
+            })
+            window, window_steps, window_start = {}, 0, time.perf_counter()
+        if cfg.trainer.save_every and step % cfg.trainer.save_every == 0 and step < cfg.trainer.max_steps:
+            checkpoint(step)
+        if cfg.trainer.export_every and step % cfg.trainer.export_every == 0 and step < cfg.trainer.max_steps:
+            export(f"{HF_EXPORT_DIR}-step-{step:08d}")
+        if any_rank(watch.requested()):
+            checkpoint(step)
+            if dist_info.is_main:
+                (run_dir / PREEMPTED_MARKER).write_text(f"step {step}: {watch.reason()}\n")
+                log.warning("preemption (%s): checkpointed at step %d, exiting", watch.reason(), step)
+            logger.close()
+            watch.close()
+            return StageResult("preempted", step, None)
+        if cfg.trainer.stop_after_steps is not None and steps_this_process >= cfg.trainer.stop_after_steps \
+                and step < cfg.trainer.max_steps:
+            checkpoint(step)
+            logger.close()
+            watch.close()
+            return StageResult("stopped", step, None)
+
+    # 5. the end: final checkpoint, HF export, done marker
+    checkpoint(step)
+    export_dir = export(HF_EXPORT_DIR)
+    if dist_info.is_main:
+        (run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
+        (run_dir / DONE_MARKER).write_text(f"step {step}\n")
+    logger.close()
+    watch.close()
+    barrier()
+    return StageResult("finished", step, export_dir)
+
+
+def configure_logging(is_main: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if is_main else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stdout,
+    )
+    if not is_main:
+        os.environ["TQDM_DISABLE"] = "1"
