@@ -9,6 +9,7 @@ from trainers.config import ConfigError
 # name -> "module:MethodClass:ConfigClass"
 _RECIPES = {
     "ar": "methods.ar:ARMethod:ARConfig",
+    "idlm": "methods.idlm:IDLMMethod:IDLMConfig",
 }
 
 

@@ -162,9 +162,9 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo) -> StageResult:
     model = method.prepare_model(model)
     train_ds = method.build_train_dataset(tokenized, cfg.data, model)
     optimizer = _build_optimizer(model, cfg, on_gpu)
-    scheduler = build_scheduler(optimizer, cfg.trainer)
+    # A factory: ZeRO-3 regroups the parameters, so the schedule is built on the wrapped optimizer.
     engine, _, _, scheduler = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+        model=model, optimizer=optimizer, lr_scheduler=lambda opt: build_scheduler(opt, cfg.trainer), config=ds_config
     )
 
     # 3. resume
