@@ -100,3 +100,13 @@ def test_multi_stage_recipe_chains_exports(tmp_path):
 def test_unknown_stage_override_is_named(tmp_path):
     with pytest.raises(ValueError, match="recipe.not_a_key"):
         run_in_process([f"output_dir={tmp_path}", "recipe.stages=[{name: a, overrides: {not_a_key: 1}}]"])
+
+
+def test_periodic_eval_logs_decoding_metrics(tmp_path):
+    run_in_process([f"output_dir={tmp_path}", "trainer.max_steps=2", "eval.every=1", "eval.at_end=true",
+                    "eval.num_samples=3", "eval.max_new_tokens=6", "eval.batch_size=3"])
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval/tpf" in r]
+    assert [r["step"] for r in evals] == [1, 2]
+    assert all(r["eval/num_samples"] == 3 and r["eval/tpf"] == 1.0 for r in evals)
+    assert all(0.0 <= r["eval/accuracy"] <= 1.0 for r in evals)

@@ -25,6 +25,7 @@ FAST = [
     "trainer.micro_batch_size=2",
     "trainer.log_every=1",
     "trainer.lr=1e-3",
+    "eval.at_end=false",
 ]
 
 

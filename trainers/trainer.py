@@ -187,6 +187,20 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo) -> StageResult:
         save_checkpoint(engine, ckpt_root, step, {"step": step, "wandb_run_id": logger.run_id},
                         dist_info.rank, cfg.trainer.keep_checkpoints)
 
+    eval_rows = _eval_rows(cfg) if (cfg.eval.every or cfg.eval.at_end) else None
+
+    def evaluate(step: int) -> None:
+        """Decode held-out prompts with the model in memory and log accuracy/TPF. Every rank holds
+        the full model below ZeRO-3 and decodes a shard; under ZeRO-3 each forward gathers the
+        partitioned weights on all ranks, so every rank decodes every prompt."""
+        from inference.evaluate import evaluate_model
+
+        decoder = {"name": cfg.eval.decoder, "max_new_tokens": cfg.eval.max_new_tokens, "batch_size": cfg.eval.batch_size}
+        metrics = evaluate_model(engine.module, tokenizer, eval_rows, decoder, template=cfg.data.template,
+                                 agreement=False, shard=cfg.deepspeed.stage != 3)
+        logger.log(step, {f"eval/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
+        engine.train()
+
     def export(name: str) -> Path:
         record_metadata(engine.module, **method.export_metadata())
         return export_hf(engine.module, tokenizer, run_dir / name, cfg.deepspeed.stage, dist_info.rank)
@@ -221,6 +235,8 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo) -> StageResult:
                 "steps_per_s": window_steps / elapsed,
             })
             window, window_steps, window_start = {}, 0, time.perf_counter()
+        if eval_rows is not None and cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.trainer.max_steps:
+            evaluate(step)
         if cfg.trainer.save_every and step % cfg.trainer.save_every == 0 and step < cfg.trainer.max_steps:
             checkpoint(step)
         if cfg.trainer.export_every and step % cfg.trainer.export_every == 0 and step < cfg.trainer.max_steps:
@@ -243,6 +259,8 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo) -> StageResult:
     # 5. the end: final checkpoint, HF export, done marker
     checkpoint(step)
     export_dir = export(HF_EXPORT_DIR)
+    if eval_rows is not None and cfg.eval.at_end:
+        evaluate(step)
     if dist_info.is_main:
         (run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
         (run_dir / DONE_MARKER).write_text(f"step {step}\n")
@@ -250,6 +268,15 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo) -> StageResult:
     watch.close()
     barrier()
     return StageResult("finished", step, export_dir)
+
+
+def _eval_rows(cfg: DictConfig):
+    """The first ``eval.num_samples`` held-out examples, or None (logged) when there is no eval split."""
+    if cfg.data.source == "files" and not cfg.data.eval_files:
+        log.warning("no data.eval_files: periodic evaluation is off (set data.eval_files or eval.at_end=false)")
+        return None
+    rows = load_raw_split(cfg.data, "eval")
+    return rows.select(range(min(cfg.eval.num_samples, len(rows))))
 
 
 def configure_logging(is_main: bool) -> None:
