@@ -226,14 +226,12 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo) -> StageResult:
         if step % cfg.trainer.log_every == 0 or step == cfg.trainer.max_steps:
             means = all_reduce_mean({k: v / window_steps for k, v in window.items()})
             elapsed = time.perf_counter() - window_start
-            grad_norm = engine.get_global_grad_norm()
-            logger.log(step, {
-                **means,
-                "lr": scheduler.get_last_lr()[0],
-                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                "epoch": order.epoch_of(step),
-                "steps_per_s": window_steps / elapsed,
-            })
+            record = {**means, "lr": scheduler.get_last_lr()[0], "epoch": order.epoch_of(step),
+                      "steps_per_s": window_steps / elapsed}
+            grad_norm = engine.get_global_grad_norm()  # None where DeepSpeed does not compute it (ZeRO-0)
+            if grad_norm is not None:
+                record["grad_norm"] = float(grad_norm)
+            logger.log(step, record)
             window, window_steps, window_start = {}, 0, time.perf_counter()
         if eval_rows is not None and cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.trainer.max_steps:
             evaluate(step)
