@@ -114,6 +114,8 @@ def evaluate(
         )
     records = gather_records(records, ctx)
     metrics = compute_metrics(records, decoder.is_ar_greedy) if ctx.is_main else None
+    if metrics is not None and hasattr(decoder, "summarize"):  # decoder-specific aggregates (e.g. ISD acceptance)
+        metrics.update(decoder.summarize(records))
     return EvalResult(metrics=broadcast_object(metrics, ctx), records=records)
 
 

@@ -18,6 +18,9 @@ from trainers.config import ConfigError
 # name -> "module:DecoderClass:ConfigClass"
 _DECODERS = {
     "ar": "inference.decoders.ar:ARDecoder:ARDecoderConfig",
+    "jacobi": "inference.decoders.jacobi:JacobiDecoder:JacobiDecoderConfig",
+    "multiblock": "inference.decoders.multiblock:MultiBlockDecoder:MultiBlockDecoderConfig",
+    "isd": "inference.decoders.isd:ISDDecoder:ISDDecoderConfig",
 }
 
 
