@@ -58,7 +58,13 @@ def load_checkpoint(
     if attn_implementation != "auto":
         kwargs["attn_implementation"] = attn_implementation
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        if _gated_lora_adapter(path):
+            # R-ISD export: frozen base + gated LoRA (residual only on <|mask|> inputs).
+            from models.gated_lora import load_gated_lora_export
+
+            model = load_gated_lora_export(path, **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError, RuntimeError) as err:
         raise CheckpointError(f"could not load the model from {path}: {err}") from err
     try:
@@ -67,6 +73,14 @@ def load_checkpoint(
         raise CheckpointError(f"could not load the tokenizer from {path}: {err}") from err
     check_tokenizer_matches(model, tokenizer, where=str(path))
     return model.to(torch_device).eval(), tokenizer
+
+
+def _gated_lora_adapter(path: Path) -> str | None:
+    try:
+        meta = json.loads((path / "config.json").read_text()).get("pardec") or {}
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"corrupt {path / 'config.json'}: {err}") from err
+    return meta.get("gated_lora_adapter")
 
 
 def check_checkpoint_files(path: Path) -> None:
