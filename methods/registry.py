@@ -10,6 +10,8 @@ from trainers.config import ConfigError
 _RECIPES = {
     "ar": "methods.ar:ARMethod:ARConfig",
     "idlm": "methods.idlm:IDLMMethod:IDLMConfig",
+    "idlm_lora": "methods.idlm_lora:IDLMLoraMethod:IDLMLoraConfig",
+    "jacobi_forcing": "methods.jacobi_forcing:JacobiForcingMethod:JacobiForcingConfig",
 }
 
 

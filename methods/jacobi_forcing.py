@@ -1,0 +1,189 @@
+"""Jacobi Forcing recipe: progressive consistency distillation on the model's own Jacobi trajectories.
+
+Per stage (SPEC §2):
+
+1. ``build_train_dataset`` collects greedy Jacobi trajectories of the training prompts with the
+   model the stage starts from (``data_pipelines.jacobi_trajectories``; sharded over the torchrun
+   ranks, resumable), or loads trajectories collected beforehand by
+   ``scripts/collect_trajectories.py`` (``recipe.trajectories_dir``; the dataset's own responses
+   are then not used at all). Each sample's noisy blocks are then chosen by the noise schedule
+   (``data_pipelines.jacobi_noise``);
+2. ``collate`` packs ``[prompt][k_0][c_0][k_1][c_1]...`` rows with the NC (or NC-IC) mask
+   (``data_pipelines.jacobi_batch``, ``masks.jacobi``);
+3. ``loss``: one forward, L = L_pc + w * L_AR (``losses.jacobi``).
+
+Progressive distillation is the stage list of ``recipes/recipe/jacobi_forcing.yaml``: round 1
+(n = 16, w = 16) on trajectories of the base model, round 2 (n = 32, w = 8) on trajectories
+re-collected with the round-1 export (the trainer starts stage i + 1 from stage i's export and
+passes that model to ``build_train_dataset``).
+
+Where collected trajectories go: the trainer gives the method no output directory, so the
+recipe key ``collect_dir`` names it; the recipe YAML sets it to ``${output_dir}/trajectories``,
+an interpolation that resolves against each stage's own ``output_dir`` (``expand_stages`` sets it
+per stage), so every round collects into its stage directory and a resumed stage skips the
+finished shards. In-trainer collection needs the full parameters on every rank (ZeRO stage < 3);
+under ZeRO-3, or for large prompt sets (ranks wait at a barrier while the others collect),
+collect beforehand with the script and set ``trajectories_dir``.
+
+``micro_batch_size`` counts samples (prompts); each micro-batch is packed at collate time into
+rows of ``data.pack_length`` slots (P + 2 * N * n per sample); null = the longest sample.
+
+References: Fast and Accurate Causal Parallel Decoding using Jacobi Forcing, arXiv:2512.14681.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from data_pipelines.jacobi_batch import MASKS, build_jacobi_batch, sample_length
+from data_pipelines.jacobi_noise import SCHEDULES, select_noisy_blocks
+from data_pipelines.jacobi_trajectories import CollectSettings, collect_trajectories, load_trajectories, read_meta
+from data_pipelines.sources import DataError
+from losses.jacobi import jacobi_forcing_loss
+from methods.base import Method, forward_logits
+from methods.recipe_config import RecipeConfig
+from trainers.config import ConfigError
+from trainers.distributed import barrier
+
+
+@dataclass
+class JacobiForcingConfig(RecipeConfig):
+    name: str = "jacobi_forcing"
+    # Jacobi block size n (trajectory collection and training).
+    block_size: int = 16
+    # Noise-schedule window w (in blocks); also NC-IC's window.
+    window: int = 16
+    # progressive | reverse_progressive | random
+    schedule: str = "progressive"
+    # nc (noise-conditioned, the paper's choice) | nc_ic (intra-window clean context, ablation)
+    mask: str = "nc"
+    # w in L = L_pc + w * L_AR.
+    ar_weight: float = 10.0
+    # Trajectory length cap (whole blocks are generated: at most ceil(max_new_tokens / n) blocks).
+    max_new_tokens: int = 128
+    # Seeds the drafts' random init and the random schedule (per prompt: (seed, prompt index)).
+    seed: int = 0
+    # Prompts per trajectory shard file (the unit of resume).
+    shard_size: int = 64
+    # Logit gap tolerated when checking the fixed points against AR greedy; null = 0 in float32,
+    # 0.5 in 16-bit (see data_pipelines.jacobi_trajectories).
+    greedy_atol: Optional[float] = None
+    # Pre-collected trajectories (scripts/collect_trajectories.py); null = collect in this stage.
+    trajectories_dir: Optional[str] = None
+    # Where this stage collects (resumable shards); the recipe YAML sets ${output_dir}/trajectories.
+    collect_dir: Optional[str] = None
+
+
+def _examples(row, block_size: int, window: int, schedule: str, seed: int) -> dict:
+    """One training example: the prompt, the schedule's noisy state and the fixed point per block."""
+    noisy = select_noisy_blocks(
+        row["states"], row["fixed_points"], row["valid_lens"], window, schedule, (seed, row["index"])
+    )
+    return {
+        "prompt_ids": row["prompt_ids"],
+        "noisy_blocks": noisy,
+        "clean_blocks": row["fixed_points"],
+        "valid_lens": row["valid_lens"],
+        "length": sample_length(len(row["prompt_ids"]), len(row["fixed_points"]), block_size),
+    }
+
+
+class JacobiForcingMethod(Method):
+    name = "jacobi_forcing"
+    needs_custom_mask = True
+
+    def __init__(self, cfg, tokenizer):
+        super().__init__(cfg, tokenizer)
+        for key in ("block_size", "window", "max_new_tokens", "shard_size"):
+            if getattr(cfg, key) < 1:
+                raise ConfigError(f"config key 'recipe.{key}' = {getattr(cfg, key)}; must be >= 1")
+        if cfg.schedule not in SCHEDULES:
+            raise ConfigError(f"config key 'recipe.schedule' = {cfg.schedule!r}; expected one of {SCHEDULES}")
+        if cfg.mask not in MASKS:
+            raise ConfigError(f"config key 'recipe.mask' = {cfg.mask!r}; expected one of {MASKS}")
+        if cfg.ar_weight < 0:
+            raise ConfigError(f"config key 'recipe.ar_weight' = {cfg.ar_weight}; must be >= 0")
+        if cfg.trajectories_dir is None and cfg.collect_dir is None:
+            raise ConfigError("set 'recipe.trajectories_dir' (pre-collected) or 'recipe.collect_dir' (collect here)")
+        self.pack_length: int | None = None
+
+    def collect_settings(self) -> CollectSettings:
+        return CollectSettings(
+            block_size=self.cfg.block_size,
+            max_new_tokens=self.cfg.max_new_tokens,
+            eos_token_ids=(self.tokenizer.eos_token_id,),
+            pad_token_id=self.tokenizer.pad_token_id,
+            seed=self.cfg.seed,
+            shard_size=self.cfg.shard_size,
+            greedy_atol=self.cfg.greedy_atol,
+        )
+
+    def build_train_dataset(self, tokenized, data_cfg, model=None):
+        directory = Path(self.cfg.trajectories_dir) if self.cfg.trajectories_dir else self._collect(tokenized, model)
+        meta = read_meta(directory)
+        if meta["block_size"] != self.cfg.block_size:
+            raise DataError(
+                f"{directory}: trajectories were collected with block_size={meta['block_size']} but "
+                f"recipe.block_size={self.cfg.block_size}"
+            )
+        trajectories = load_trajectories(directory)
+        examples = trajectories.map(
+            _examples,
+            fn_kwargs={"block_size": self.cfg.block_size, "window": self.cfg.window,
+                       "schedule": self.cfg.schedule, "seed": self.cfg.seed},
+            remove_columns=trajectories.column_names,
+            desc="jacobi noise schedule",
+        )
+        longest = max(examples["length"])
+        self.pack_length = data_cfg.pack_length or longest
+        if longest > self.pack_length:
+            raise DataError(
+                f"a Jacobi Forcing sample takes {longest} slots (prompt + 2 x blocks x block_size) > "
+                f"data.pack_length={self.pack_length}; raise data.pack_length or lower recipe.max_new_tokens"
+            )
+        return examples
+
+    def _collect(self, tokenized, model) -> Path:
+        """Collect this stage's trajectories with ``model`` (this rank's shards), then wait for all ranks."""
+        if model is None:
+            raise ConfigError(
+                "Jacobi Forcing collects trajectories with the model; none was passed (set recipe.trajectories_dir)"
+            )
+        if any(hasattr(p, "ds_id") for p in model.parameters()):
+            raise ConfigError(
+                "the model is partitioned (ZeRO-3): collect trajectories beforehand with "
+                "scripts/collect_trajectories.py and set recipe.trajectories_dir"
+            )
+        prompts = [ids[:p] for ids, p in zip(tokenized["input_ids"], tokenized["prompt_len"])]
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        if torch.cuda.is_available():
+            model.to(torch.device("cuda", torch.cuda.current_device()))
+        collect_trajectories(model, prompts, self.cfg.collect_dir, self.collect_settings(), rank, world)
+        barrier()
+        return Path(self.cfg.collect_dir)
+
+    def collate(self, examples):
+        return build_jacobi_batch(
+            examples,
+            block_size=self.cfg.block_size,
+            pack_length=self.pack_length,
+            pad_token_id=self.tokenizer.pad_token_id,
+            mask=self.cfg.mask,
+            window=self.cfg.window,
+        )
+
+    def loss(self, model, batch):
+        logits = forward_logits(model, batch)  # [r, s, V]
+        total, logs = jacobi_forcing_loss(
+            logits, batch["labels"], batch["pc_student_index"], batch["pc_teacher_index"], batch["n_blocks"],
+            self.cfg.ar_weight,
+        )
+        return total, {"loss": total.item(), **logs}
+
+    def export_metadata(self):
+        return {"recipe": self.name, "jacobi_block_size": self.cfg.block_size}

@@ -1,0 +1,308 @@
+"""Jacobi Forcing training: the packed single forward against naive per-block forwards, the batch
+layout (labels, consistency pairs), the loss against a naive per-block computation, and a run of
+the real trainer through both progressive-distillation rounds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from data_pipelines.jacobi_batch import IGNORE_INDEX, build_jacobi_batch
+from data_pipelines.jacobi_trajectories import load_trajectories
+from data_pipelines.sources import DataError
+from inference.decoders.registry import build_decoder
+from losses.jacobi import jacobi_forcing_loss
+from methods.base import forward_logits, move_batch
+from scripts.collect_trajectories import collect
+from tests.helpers_inference import tiny_model
+from tests.train_utils import FAST, compose_train, run_in_process
+
+torch.set_num_threads(1)
+
+VOCAB = 30
+
+
+def make_sample(gen: torch.Generator, p: int, num_blocks: int, n: int, last_valid: int | None = None) -> dict:
+    """Random prompt and fixed points; noisy states share each block's first token and differ
+    elsewhere with probability 1/2; ``last_valid`` < n puts EOS (id 0) in the last block."""
+    clean = torch.randint(3, VOCAB, (num_blocks, n), generator=gen)
+    other = torch.randint(3, VOCAB, (num_blocks, n), generator=gen)
+    noisy = torch.where(torch.rand(num_blocks, n, generator=gen) < 0.5, other, clean)
+    valid = [n] * num_blocks
+    if last_valid is not None:
+        valid[-1] = last_valid
+        clean[-1, last_valid - 1] = 0
+        clean[-1, last_valid:] = noisy[-1, last_valid:] = 0
+    noisy[:, 0] = clean[:, 0]
+    return {"prompt_ids": torch.randint(3, VOCAB, (p,), generator=gen).tolist(), "noisy_blocks": noisy.tolist(),
+            "clean_blocks": clean.tolist(), "valid_lens": valid}
+
+
+N_BLOCK = 3
+SAMPLES_SPEC = [(4, 3, None), (2, 2, 2), (5, 1, None), (3, 4, 1)]  # (P, blocks, last valid)
+PACK = 40  # slots 22 + 14 in row 0, 11 + 27 in row 1
+
+
+def samples(seed: int = 0) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    return [make_sample(gen, p, b, N_BLOCK, v) for p, b, v in SAMPLES_SPEC]
+
+
+def naive_logits(model, sample: dict, mask: str = "nc", window: int = 1) -> dict:
+    """Separate causal forwards: prompt; noisy block j on [prompt, k_0..k_j] (NC) or
+    [prompt, c_0..c_{s-1}, k_s..k_j] (NC-IC, s = first block of j's window); clean block j on
+    [prompt, c_0..c_j]. Returns logits ``prompt [P, V]``, ``noisy [N, n, V]``, ``clean [N, n, V]``."""
+    prompt, noisy, clean = sample["prompt_ids"], sample["noisy_blocks"], sample["clean_blocks"]
+
+    def run(seq: list[int]) -> torch.Tensor:
+        return model(input_ids=torch.tensor([seq], device=model.device)).logits[0]
+
+    out = {"prompt": run(prompt), "noisy": [], "clean": []}
+    for j in range(len(clean)):
+        start = j // window * window if mask == "nc_ic" else 0
+        context = [t for b in clean[:start] for t in b] + [t for b in noisy[start:j] for t in b]
+        out["noisy"].append(run(prompt + context + noisy[j])[-N_BLOCK:])
+        out["clean"].append(run(prompt + [t for b in clean[: j + 1] for t in b])[-N_BLOCK:])
+    return {k: torch.stack(v) if isinstance(v, list) else v for k, v in out.items()}
+
+
+def slot_map(batch_samples: list[dict], pack_length: int) -> list[dict]:
+    """Where each sample's prompt / noisy / clean slots are in the packed batch (greedy rows)."""
+    places, row, used = [], -1, pack_length
+    for s in batch_samples:
+        p, nb = len(s["prompt_ids"]), len(s["clean_blocks"])
+        length = p + 2 * nb * N_BLOCK
+        if used + length > pack_length:
+            row, used = row + 1, 0
+        start = used
+        noisy = [[start + p + 2 * j * N_BLOCK + o for o in range(N_BLOCK)] for j in range(nb)]
+        clean = [[i + N_BLOCK for i in b] for b in noisy]
+        places.append({"row": row, "prompt": list(range(start, start + p)), "noisy": noisy, "clean": clean})
+        used += length
+    return places
+
+
+@pytest.mark.parametrize("arch,attn", [("qwen3", "sdpa"), ("llama", "sdpa"), ("qwen3", "eager")])
+@pytest.mark.parametrize("mask,window", [("nc", 1), ("nc_ic", 2)])
+@torch.no_grad()
+def test_packed_forward_equals_naive_per_block_forwards(arch, attn, mask, window):
+    model = tiny_model(VOCAB, arch)
+    model.set_attn_implementation(attn)
+    batch_samples = samples()
+    batch = build_jacobi_batch(batch_samples, block_size=N_BLOCK, pack_length=PACK, pad_token_id=0, mask=mask,
+                               window=window)
+    assert batch["input_ids"].shape == (2, PACK)
+    logits = forward_logits(model, batch)  # [r, s, V]
+    for sample, place in zip(batch_samples, slot_map(batch_samples, PACK)):
+        ref = naive_logits(model, sample, mask, window)
+        r = place["row"]
+        torch.testing.assert_close(logits[r, place["prompt"]], ref["prompt"], atol=1e-5, rtol=1e-4)
+        for j in range(len(sample["clean_blocks"])):
+            torch.testing.assert_close(logits[r, place["noisy"][j]], ref["noisy"][j], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(logits[r, place["clean"][j]], ref["clean"][j], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mask,window", [("nc", 1), ("nc_ic", 2)])
+def test_flex_attention_training_path_on_gpu(mask, window):
+    """The GPU path: FlexAttention with the compiled BlockMask from the same predicate gives the
+    naive per-block (SDPA) logits, and the loss backpropagates through it."""
+
+    def model_with(attn: str):
+        torch.manual_seed(0)
+        config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, attn_implementation=attn)
+        return Qwen3ForCausalLM(config).cuda()
+
+    model, reference = model_with("flex_attention"), model_with("sdpa").eval()
+    batch_samples = samples()
+    batch = move_batch(build_jacobi_batch(batch_samples, block_size=N_BLOCK, pack_length=PACK, pad_token_id=0,
+                                          mask=mask, window=window), "cuda")
+    logits = forward_logits(model, batch)  # [r, s, V]
+    with torch.no_grad():
+        for sample, place in zip(batch_samples, slot_map(batch_samples, PACK)):
+            ref = naive_logits(reference, sample, mask, window)
+            r = place["row"]
+            torch.testing.assert_close(logits[r, place["prompt"]], ref["prompt"], atol=1e-4, rtol=1e-3)
+            for j in range(len(sample["clean_blocks"])):
+                torch.testing.assert_close(logits[r, place["noisy"][j]], ref["noisy"][j], atol=1e-4, rtol=1e-3)
+                torch.testing.assert_close(logits[r, place["clean"][j]], ref["clean"][j], atol=1e-4, rtol=1e-3)
+    total, _ = jacobi_forcing_loss(logits, batch["labels"], batch["pc_student_index"], batch["pc_teacher_index"],
+                                   batch["n_blocks"])
+    total.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
+
+
+def test_batch_layout_labels_and_pairs_by_hand():
+    full = {"prompt_ids": [3, 4], "clean_blocks": [[5, 6, 7], [8, 9, 10]], "noisy_blocks": [[5, 11, 7], [8, 9, 12]],
+            "valid_lens": [3, 3]}
+    batch = build_jacobi_batch([full], block_size=3, pack_length=16, pad_token_id=0)
+    #          p0 p1 | k0       | c0       | k1       | c1        | pad
+    assert batch["input_ids"][0].tolist() == [3, 4, 5, 11, 7, 5, 6, 7, 8, 9, 12, 8, 9, 10, 0, 0]
+    assert batch["position_ids"][0].tolist() == [0, 1, 2, 3, 4, 2, 3, 4, 5, 6, 7, 5, 6, 7, 0, 0]
+    x = IGNORE_INDEX  # prompt's last -> c0[0]; c0[2] -> c1[0]; the cap-cut last slot -> nothing
+    assert batch["labels"][0].tolist() == [x, 5, x, x, x, 6, 7, 8, x, x, x, 9, 10, x, x, x]
+    # block 0: first mismatch at offset 1 -> offsets 1, 2; block 1: at offset 2 -> offset 2
+    assert batch["pc_student_index"].tolist() == [3, 4, 10]
+    assert batch["pc_teacher_index"].tolist() == [6, 7, 13]
+    assert int(batch["n_blocks"]) == 2
+
+    eos = {"prompt_ids": [3], "clean_blocks": [[5, 6, 7, 8], [9, 13, 0, 0]],
+           "noisy_blocks": [[5, 6, 7, 8], [9, 14, 0, 0]], "valid_lens": [4, 3]}  # EOS (0) at block 1, offset 2
+    batch = build_jacobi_batch([eos], block_size=4, pack_length=17, pad_token_id=0)
+    #                                 p0 | k0 (1-4)   | c0 (5-8)     | k1 (9-12)     | c1 (13-16)
+    assert batch["labels"][0].tolist() == [5, x, x, x, x, 6, 7, 8, 9, x, x, x, x, 13, 0, x, x]
+    assert batch["pc_student_index"].tolist() == [10]  # offset 1 only: the EOS logit predicts nothing
+    assert batch["pc_teacher_index"].tolist() == [14]
+    assert int(batch["n_blocks"]) == 2
+
+
+def test_two_samples_per_row_use_segments_and_global_indices():
+    a = {"prompt_ids": [3], "clean_blocks": [[5, 6]], "noisy_blocks": [[5, 9]], "valid_lens": [2]}
+    batch = build_jacobi_batch([a, a, a], block_size=2, pack_length=10, pad_token_id=0)
+    assert batch["input_ids"].shape == (2, 10)  # 5 slots each: two per row
+    assert batch["pc_student_index"].tolist() == [2, 7, 12]
+    assert batch["pc_teacher_index"].tolist() == [4, 9, 14]
+    assert batch["attention"].metadata["segment_ids"][0].tolist() == [0] * 5 + [1] * 5
+    assert batch["attention"].metadata["segment_ids"][1].tolist() == [0] * 5 + [-1] * 5
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"valid_lens": [2, 3]}, r"sample 0: valid_lens\[0\]=2; expected 1..3, and < 3 only in the last block"),
+    ({"noisy_blocks": [[6, 11, 7], [8, 9, 12]]}, "sample 0: block 0's noisy state starts with 6 but its fixed point "
+                                                  "with 5"),
+    ({"clean_blocks": [[5, 6, 7]]}, "same N >= 1 blocks"),
+    ({"noisy_blocks": [[5, 11], [8, 9, 12]]}, "block 0 has 2 noisy / 3 clean tokens; block_size is 3"),
+])
+def test_bad_samples_are_named(bad, match):
+    sample = {"prompt_ids": [3, 4], "clean_blocks": [[5, 6, 7], [8, 9, 10]], "noisy_blocks": [[5, 11, 7], [8, 9, 12]],
+              "valid_lens": [3, 3], **bad}
+    with pytest.raises(ValueError, match=match):
+        build_jacobi_batch([sample], block_size=3, pack_length=16, pad_token_id=0)
+
+
+def test_sample_longer_than_the_row_is_named():
+    sample = {"prompt_ids": [3, 4], "clean_blocks": [[5, 6, 7], [8, 9, 10]], "noisy_blocks": [[5, 11, 7], [8, 9, 12]],
+              "valid_lens": [3, 3]}
+    with pytest.raises(ValueError, match=r"sample 1: 14 slots \(prompt \+ 2 x blocks x block_size\) > pack_length=13"):
+        build_jacobi_batch([sample | {"prompt_ids": [3]}, sample], block_size=3, pack_length=13, pad_token_id=0)
+
+
+def naive_loss(model, batch_samples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block loops over naive forwards: L_pc = sum over blocks of the KL summed over offsets
+    m..last, divided by the number of blocks; L_AR = CE of a plain causal forward over prompt + answer."""
+    kl_sum, blocks, ce_sum, ce_count = torch.zeros(()), 0, torch.zeros(()), 0
+    for s in batch_samples:
+        ref = naive_logits(model, s)
+        valid = s["valid_lens"]
+        for j, (k, c, v) in enumerate(zip(s["noisy_blocks"], s["clean_blocks"], valid)):
+            blocks += 1
+            mismatches = [o for o in range(v) if k[o] != c[o]]
+            if not mismatches:
+                continue
+            last = N_BLOCK - 1 if v == N_BLOCK else v - 2
+            for o in range(mismatches[0], last + 1):
+                p_t = F.softmax(ref["clean"][j, o], -1)
+                kl_sum = kl_sum + (p_t * (p_t.log() - F.log_softmax(ref["noisy"][j, o], -1))).sum()
+        answer = [t for c, v in zip(s["clean_blocks"], valid) for t in c[:v]]
+        full = model(input_ids=torch.tensor([s["prompt_ids"] + answer])).logits[0]
+        p = len(s["prompt_ids"])
+        ce_sum = ce_sum + F.cross_entropy(full[p - 1 : p - 1 + len(answer)], torch.tensor(answer), reduction="sum")
+        ce_count += len(answer)
+    return kl_sum / blocks, ce_sum / ce_count
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_loss_equals_naive_per_block_computation(arch):
+    model = tiny_model(VOCAB, arch)
+    batch_samples = samples(seed=1)
+    batch = build_jacobi_batch(batch_samples, block_size=N_BLOCK, pack_length=PACK, pad_token_id=0)
+    with torch.no_grad():
+        logits = forward_logits(model, batch)
+        l_pc_ref, l_ar_ref = naive_loss(model, batch_samples)
+    total, logs = jacobi_forcing_loss(logits, batch["labels"], batch["pc_student_index"], batch["pc_teacher_index"],
+                                      batch["n_blocks"], ar_weight=10.0)
+    assert l_pc_ref > 0 and logs["n_pc_pairs"] > 0
+    assert logs["l_pc"] == pytest.approx(float(l_pc_ref), rel=1e-4, abs=1e-6)
+    assert logs["l_ar"] == pytest.approx(float(l_ar_ref), rel=1e-5)
+    assert float(total) == pytest.approx(float(l_pc_ref + 10.0 * l_ar_ref), rel=1e-4)
+    assert logs["n_ar_tokens"] == sum(sum(s["valid_lens"]) for s in batch_samples)
+
+
+def test_teacher_is_detached_and_empty_cases_are_zero():
+    batch = build_jacobi_batch(samples(), block_size=N_BLOCK, pack_length=PACK, pad_token_id=0)
+    logits = torch.randn(*batch["input_ids"].shape, VOCAB, requires_grad=True)
+    total, _ = jacobi_forcing_loss(logits, batch["labels"], batch["pc_student_index"], batch["pc_teacher_index"],
+                                   batch["n_blocks"], ar_weight=0.0)
+    total.backward()
+    grad = logits.grad.flatten(0, 1).abs().sum(-1)  # [r*s]
+    assert torch.all(grad[batch["pc_teacher_index"]] == 0) and torch.all(grad[batch["pc_student_index"]] > 0)
+
+    fresh = torch.randn(2, 5, VOCAB, requires_grad=True)
+    none = torch.zeros(0, dtype=torch.long)
+    total, logs = jacobi_forcing_loss(fresh, torch.full((2, 5), IGNORE_INDEX), none, none, 0)
+    assert float(total.detach()) == 0.0 and logs["n_pc_pairs"] == 0.0 and logs["n_ar_tokens"] == 0.0
+    total.backward()
+    assert torch.all(fresh.grad == 0)
+
+
+def test_trainer_runs_both_distillation_rounds(tmp_path):
+    """Round 1 (n=4) collects with the initial model and trains 2 steps; round 2 (n=8, two blocks
+    per sample so that the second one is noisy) re-collects with round 1's export, so its fixed
+    points are that export's AR greedy output."""
+    stages = ("[{name:r1,max_steps:2,overrides:{block_size:4,window:2}},"
+              "{name:r2,max_steps:1,overrides:{block_size:8,window:2,max_new_tokens:16}}]")
+    result = run_in_process([
+        "recipe=jacobi_forcing", f"output_dir={tmp_path}", "data.max_train_samples=6", "recipe.max_new_tokens=8",
+        "recipe.shard_size=4", f"recipe.stages={stages}",
+    ])
+    assert result.status == "finished" and result.step == 1
+    r1, r2 = tmp_path / "stages" / "00-r1", tmp_path / "stages" / "01-r2"
+    for stage, steps in ((r1, 2), (r2, 1)):
+        metrics = [json.loads(line) for line in (stage / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+        assert all(m["l_ar"] > 0 and m["n_pc_pairs"] > 0 for m in metrics)
+        assert sorted(p.name for p in (stage / "trajectories").glob("shard-*")) == [
+            "shard-00000-of-00002.parquet", "shard-00001-of-00002.parquet"]
+    assert json.loads((r2 / "trajectories" / "meta.json").read_text())["block_size"] == 8
+
+    round1 = AutoModelForCausalLM.from_pretrained(r1 / "hf").eval()
+    assert round1.config.pardec == {"recipe": "jacobi_forcing", "jacobi_block_size": 4}
+    row = load_trajectories(r2 / "trajectories")[0]
+    tokens = [t for fp, v in zip(row["fixed_points"], row["valid_lens"]) for t in fp[:v]]
+    decoder = build_decoder({"name": "ar", "max_new_tokens": len(tokens)}, tokenizer=None)
+    eos = round1.config.eos_token_id
+    assert decoder.decode(round1, [row["prompt_ids"]], {eos}, [0])[0].tokens == tokens
+
+
+SMALL = ["recipe=jacobi_forcing", "recipe.stages=[]", "data.max_train_samples=4", "recipe.block_size=4",
+         "recipe.window=2", "recipe.max_new_tokens=8", "recipe.shard_size=2"]
+
+
+def test_resumed_stage_reuses_its_collected_shards(tmp_path):
+    first = run_in_process([*SMALL, f"output_dir={tmp_path}", "trainer.max_steps=2", "trainer.stop_after_steps=1"])
+    assert first.status == "stopped"
+    shards = sorted((tmp_path / "trajectories").glob("shard-*"))
+    assert len(shards) == 2
+    stamps = [p.stat().st_mtime_ns for p in shards]
+    second = run_in_process([*SMALL, f"output_dir={tmp_path}", "trainer.max_steps=2"])
+    assert second.status == "finished" and second.step == 2
+    assert [p.stat().st_mtime_ns for p in shards] == stamps
+
+
+def test_training_on_trajectories_from_the_collection_script(tmp_path):
+    directory = collect(compose_train([*FAST, *SMALL, f"output_dir={tmp_path / 'collect'}"]))
+    assert directory == tmp_path / "collect" / "trajectories"
+    result = run_in_process([*SMALL, f"output_dir={tmp_path / 'train'}", "trainer.max_steps=1",
+                             f"recipe.trajectories_dir={directory}"])
+    assert result.status == "finished"
+    assert not (tmp_path / "train" / "trajectories").exists()
+    with pytest.raises(DataError, match="block_size=4 but recipe.block_size=2"):
+        run_in_process([*SMALL, f"output_dir={tmp_path / 'other'}", "trainer.max_steps=1", "recipe.block_size=2",
+                        f"recipe.trajectories_dir={directory}"])
