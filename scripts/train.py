@@ -40,7 +40,7 @@ def main(cfg: DictConfig) -> None:
     result = run_recipe(cfg)
     if os.environ.get("RANK", "0") == "0":
         where = f", Hugging Face export: {result.export_dir}" if result.export_dir else ""
-        print(f"training {result.status} at step {result.step}{where}")
+        print(f"training {result.status} at step {result.step} ({result.train_seconds:.0f} s of training steps){where}")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,8 @@ class StageResult:
     status: str  # finished | preempted | stopped
     step: int
     export_dir: Path | None
+    # Wall time of this process's optimiser steps (model loading, data preparation and export excluded).
+    train_seconds: float = 0.0
 
 
 def seed_everything(seed: int) -> None:
@@ -207,6 +209,7 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo) -> StageResult:
 
     # 4. the loop
     step, steps_this_process = start_step, 0
+    loop_start = time.perf_counter()
     window: dict[str, float] = {}
     window_steps, window_start = 0, time.perf_counter()
     engine.train()
@@ -246,15 +249,16 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo) -> StageResult:
                 log.warning("preemption (%s): checkpointed at step %d, exiting", watch.reason(), step)
             logger.close()
             watch.close()
-            return StageResult("preempted", step, None)
+            return StageResult("preempted", step, None, time.perf_counter() - loop_start)
         if cfg.trainer.stop_after_steps is not None and steps_this_process >= cfg.trainer.stop_after_steps \
                 and step < cfg.trainer.max_steps:
             checkpoint(step)
             logger.close()
             watch.close()
-            return StageResult("stopped", step, None)
+            return StageResult("stopped", step, None, time.perf_counter() - loop_start)
 
     # 5. the end: final checkpoint, HF export, done marker
+    train_seconds = time.perf_counter() - loop_start
     checkpoint(step)
     export_dir = export(HF_EXPORT_DIR)
     if eval_rows is not None and cfg.eval.at_end:
@@ -265,7 +269,9 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo) -> StageResult:
     logger.close()
     watch.close()
     barrier()
-    return StageResult("finished", step, export_dir)
+    if dist_info.is_main:
+        log.info("stage %s: %d steps in %.1f s of training", run_dir, step - start_step, train_seconds)
+    return StageResult("finished", step, export_dir, train_seconds)
 
 
 def _eval_rows(cfg: DictConfig):
