@@ -110,3 +110,28 @@ def test_periodic_eval_logs_decoding_metrics(tmp_path):
     assert [r["step"] for r in evals] == [1, 2]
     assert all(r["eval/num_samples"] == 3 and r["eval/tpf"] == 1.0 for r in evals)
     assert all(0.0 <= r["eval/accuracy"] <= 1.0 for r in evals)
+
+
+def test_sigusr1_checkpoints_and_exits(tmp_path, monkeypatch):
+    """A real signal delivered mid-step (as Slurm's --signal does) stops at the step boundary."""
+    import os
+    import signal
+
+    from methods.ar import ARMethod
+
+    original = ARMethod.loss
+    sent = []
+
+    def loss_then_signal(self, model, batch):
+        if not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return original(self, model, batch)
+
+    monkeypatch.setattr(ARMethod, "loss", loss_then_signal)
+    previous = signal.getsignal(signal.SIGUSR1)
+    result = run_in_process([f"output_dir={tmp_path}", "trainer.max_steps=5"])
+    assert result.status == "preempted" and result.step == 1
+    assert "SIGUSR1" in (tmp_path / PREEMPTED_MARKER).read_text()
+    assert (tmp_path / "checkpoints" / "step-00000001").is_dir()
+    assert signal.getsignal(signal.SIGUSR1) == previous  # handlers restored

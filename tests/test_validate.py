@@ -146,7 +146,6 @@ def test_validate_cli_missing_checkpoint_is_a_clear_error(tmp_path):
     assert not (tmp_path / "nope").exists()
 
 
-@pytest.mark.slow
 def test_validate_two_processes_match_one(tmp_path):
     ck = save_checkpoint(tmp_path / "ck")
     data = write_eval_jsonl(tmp_path / "eval.jsonl")
