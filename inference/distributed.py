@@ -54,7 +54,11 @@ def init_distributed() -> DistContext:
 
 
 def shutdown(ctx: DistContext) -> None:
+    """Destroy the group this module created, once every rank got here: tearing gloo down while a
+    peer is still inside its last collective aborts that peer ("terminate called without an
+    active exception")."""
     if ctx.owns_group and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
