@@ -72,7 +72,28 @@ def load_checkpoint(
     except (OSError, ValueError, TypeError) as err:
         raise CheckpointError(f"could not load the tokenizer from {path}: {err}") from err
     check_tokenizer_matches(model, tokenizer, where=str(path))
+    mask_id = (getattr(model.config, "pardec", None) or {}).get("mask_token_id")
+    if mask_id is not None:
+        forbid_output_token(model, mask_id)
     return model.to(torch_device).eval(), tokenizer
+
+
+def forbid_output_token(model, token_id: int) -> None:
+    """Never let a decoder emit ``token_id`` (a converted model's ``<|mask|>``): its logit is set
+    to -inf in every forward's output.
+
+    ``<|mask|>`` is an input symbol only. With tied embeddings its randomly initialised row is also
+    an output row, so without this the clean stream would put probability on a token the base
+    never had. Excluding it makes the clean-stream distribution over the original vocabulary
+    exactly the base's (R-ISD: lossless for greedy and sampling, whatever the row's draw), and
+    drafts are never ``<|mask|>`` either.
+    """
+
+    def hook(module, args, output):
+        output.logits[..., token_id] = float("-inf")
+        return output
+
+    model.register_forward_hook(hook)
 
 
 def _gated_lora_adapter(path: Path) -> str | None:

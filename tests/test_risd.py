@@ -15,6 +15,7 @@ from tests.train_utils import FAST, compose_train, run_in_process
 
 
 def test_risd_greedy_is_token_identical_to_the_base(tmp_path):
+    """Also with a <|mask|> output row that would win every argmax if it were not excluded."""
     cfg = compose_train(FAST + ["recipe=ar"])
     torch.manual_seed(0)
     tokenizer = load_tokenizer(cfg.model, cfg.data)
@@ -32,6 +33,15 @@ def test_risd_greedy_is_token_identical_to_the_base(tmp_path):
     prompts = [format_prompt_ids(base_tok, row["prompt"], "plain") for row in generate_split(cfg.data.synthetic, "test")[:4]]
     eos = {base_tok.eos_token_id}
     ar = build_decoder({"name": "ar", "max_new_tokens": 24}, base_tok).decode(base_model, prompts, eos, [0] * 4)
+    # The clean stream of a converted model must never emit <|mask|>, whatever its (random, tied)
+    # output row: make that row dominate every clean logit and the outputs must not change.
+    mask_id = risd_tok.convert_tokens_to_ids("<|mask|>")
+    with torch.no_grad():
+        first = base_model(torch.tensor([prompts[0]])).logits[0, -1]  # [V]
+        top = int(first.argmax())
+        assert first[top] > 0
+        head = risd_model.get_output_embeddings().weight
+        head[mask_id] = 10 * head[top]  # its logit is now 10x the winning one at that position
     for stride in (2, 3, 4):
         isd = build_decoder({"name": "isd", "stride": stride, "max_new_tokens": 24}, risd_tok)
         out = isd.decode(risd_model, prompts, eos, [0] * 4)
