@@ -36,7 +36,8 @@ class SyntheticGSMConfig:
     # Arithmetic steps (chain-of-thought lines) per problem.
     min_steps: int = 2
     max_steps: int = 3
-    # Largest amount added, subtracted or paid per item, and largest starting item count.
+    # Largest amount added or subtracted in one event (a purchase's total cost included) and
+    # largest starting item count.
     max_operand: int = 20
     # Multiplication factors are drawn from [2, max_multiplier].
     max_multiplier: int = 4
@@ -232,8 +233,8 @@ def _money_event(cfg: SyntheticGSMConfig, rng: random.Random, b: _Builder, fill:
         options.append("each")
     op = rng.choice(options)
     if op == "each":
-        m = rng.randint(2, min(cfg.max_multiplier, b.value))
-        price = rng.randint(1, min(cfg.max_operand, b.value // m))
+        m = rng.randint(2, min(cfg.max_multiplier, b.value, cfg.max_operand))
+        price = rng.randint(1, min(cfg.max_operand, b.value) // m)
         items = rng.choice(PRICED_ITEMS)
         b.sentences.append(rng.choice(MONEY_BUY_EACH).format(m=m, items=items, k=price, **fill))
         b.lines.append(LINE_COST.format(items=items, a=m, b=price, c=m * price))

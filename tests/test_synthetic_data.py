@@ -125,6 +125,7 @@ def test_chain_of_thought_arithmetic_gives_the_answer(splits: dict[str, list[dic
             a, b, c = int(a), int(b), int(c)
             assert c == {"+": a + b, "-": a - b, "*": a * b}[op], row
             assert 0 <= c <= CFG.max_value, row
+            assert op == "*" or b <= CFG.max_operand, row
         assert FINAL.search(row["response"]).group(1) == lines[-1][3] == row["answer"], row
 
 
