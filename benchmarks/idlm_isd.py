@@ -22,14 +22,12 @@ import json
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
-from data_pipelines.sources import load_raw_split
+from benchmarks.common import held_out_rows, identical
 from inference.checkpoint import load_checkpoint
 from inference.decoders.isd import introspective_ratios
 from inference.evaluate import evaluate
 from models.loading import mask_token_id
-from trainers.config import DataConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -58,16 +56,10 @@ def alpha(model, tokenizer, records, stride: int) -> float:
     return float(torch.cat(ratios).mean()) if ratios else float("nan")
 
 
-def identical(records, reference) -> float:
-    return sum(r["output_ids"] == ref["output_ids"] for r, ref in zip(records, reference, strict=True)) / len(records)
-
-
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    data_cfg = OmegaConf.structured(DataConfig)
-    data_cfg.max_eval_samples = args.num_samples
-    eval_rows = load_raw_split(data_cfg, "eval")
+    eval_rows = held_out_rows(args.num_samples)
 
     base, base_tok = load_checkpoint(args.base, device="cpu")
     idlm, idlm_tok = load_checkpoint(args.idlm, device="cpu")

@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from benchmarks.common import held_out_rows, identical
 from data_pipelines.jacobi_batch import build_jacobi_batch
 from data_pipelines.jacobi_noise import select_noisy_blocks
 from data_pipelines.jacobi_trajectories import CollectSettings, collect_one
@@ -98,10 +99,6 @@ def trained_block_size(model, path: str) -> int:
     if "jacobi_block_size" not in meta:
         sys.exit(f"{path}: config.json records no pardec.jacobi_block_size; is it a Jacobi Forcing export?")
     return int(meta["jacobi_block_size"])
-
-
-def identical(records, reference) -> float:
-    return sum(r["output_ids"] == ref["output_ids"] for r, ref in zip(records, reference, strict=True)) / len(records)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,9 +284,7 @@ def efficiency_table(args, model, tok) -> dict:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    data_cfg = OmegaConf.structured(DataConfig)
-    data_cfg.max_eval_samples = args.num_samples
-    eval_rows = load_raw_split(data_cfg, "eval")
+    eval_rows = held_out_rows(args.num_samples)
 
     models = {name: load_checkpoint(getattr(args, name), device="cpu") for name in ("base", "round1", "round2")}
     table = decoding_table(args, models, eval_rows)

@@ -64,8 +64,11 @@ was accepted too). ``accepted[k-1] / verify_steps`` is the paper's P_k (probabil
 first k drafts of a verify step are all accepted); see :mod:`inference.isd_metrics`. Acceptance is
 counted on the verification outcome, before truncation at EOS or ``max_new_tokens``.
 
-``<|mask|>`` is not suppressed in p or q (doing so would change the distribution of the converted
-model's own AR decoding, which ISD reproduces). :func:`introspective_acceptance` computes the
+The decoder itself does not touch the ``<|mask|>`` logit: it uses the model's p and q as given, so
+it reproduces whatever that model's AR decoding is. Checkpoints loaded for validation
+(:func:`inference.checkpoint.load_checkpoint`) have the ``<|mask|>`` logit set to -inf, for AR and
+ISD alike, so neither ever emits it and R-ISD's clean stream equals the base exactly.
+:func:`introspective_acceptance` computes the
 paper's alpha for any checkpoint with a mask token, independently of a decoding run.
 """
 

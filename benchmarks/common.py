@@ -1,0 +1,20 @@
+"""Pieces every decoding benchmark shares: the held-out problems and exact-identity scoring."""
+
+from __future__ import annotations
+
+from omegaconf import OmegaConf
+
+from data_pipelines.sources import load_raw_split
+from trainers.config import DataConfig
+
+
+def held_out_rows(num_samples: int):
+    """The first ``num_samples`` problems of the embedded default's test split."""
+    data_cfg = OmegaConf.structured(DataConfig)
+    data_cfg.max_eval_samples = num_samples
+    return load_raw_split(data_cfg, "eval")
+
+
+def identical(records, reference) -> float:
+    """Fraction of samples whose output tokens equal the reference's exactly (records sorted by index)."""
+    return sum(r["output_ids"] == ref["output_ids"] for r, ref in zip(records, reference, strict=True)) / len(records)
