@@ -12,6 +12,16 @@ Schedules over the blocks i = 0, 1, ... of one sample, window size w, W = {0, 1/
 * ``random`` (ablation): t_i drawn uniformly from W, independently per block, from a generator
   seeded by (seed, sample index), so a sample's choice does not depend on sharding or order.
 
+Window phase (the two window schedules). ``zero`` (SPEC, paper Eq. 7): the windows start at the
+sample's first block, so block 0 is always clean. In the paper a window (w * n = 256 tokens) is
+about one answer and answers run to many windows, so where a block sits inside its window is
+unrelated to where it sits in the answer. On short answers (a few blocks) phase zero ties the two:
+block 0 is never noised (it gets no consistency pair at all) and block i only ever sees t = W[i].
+``random`` shifts each sample's windows by phi drawn uniformly from {0, ..., w-1} (seeded by
+(seed, sample index), a stream separate from the random schedule's): t_i = W[(i + phi) mod w], so
+every answer position is trained at every noise level across the data set, and each window still
+ramps linearly.
+
 Selection: a state's *unconverged count* is n - (length of its longest prefix equal to the fixed
 point). For block i the chosen state is the trajectory point whose count is closest to
 ``ceil(t_i * n)``; ties go to the noisier state (larger count). Only the block's valid tokens are
@@ -27,17 +37,34 @@ from typing import Sequence
 import numpy as np
 
 SCHEDULES = ("progressive", "reverse_progressive", "random")
+WINDOW_PHASES = ("zero", "random")
+_PHASE_STREAM = 1  # appended to the seed: the phase's draws never coincide with the random schedule's
 
 
-def noise_ratios(num_blocks: int, window: int, schedule: str, seed: Sequence[int] = (0,)) -> list[Fraction]:
-    """t_i for blocks 0..num_blocks-1. ``seed`` (e.g. ``(seed, sample_index)``) is used by
-    ``random`` only."""
+def window_phase(window: int, phase: str, seed: Sequence[int] = (0,)) -> int:
+    """The shift phi of a sample's windows: 0 for ``zero``, uniform in {0..w-1} for ``random``."""
+    if phase == "zero":
+        return 0
+    if phase == "random":
+        return int(np.random.default_rng([*seed, _PHASE_STREAM]).integers(0, window))
+    raise ValueError(f"unknown window phase {phase!r}; expected one of {WINDOW_PHASES}")
+
+
+def noise_ratios(
+    num_blocks: int, window: int, schedule: str, seed: Sequence[int] = (0,), phase: str = "zero"
+) -> list[Fraction]:
+    """t_i for blocks 0..num_blocks-1. ``seed`` (e.g. ``(seed, sample_index)``) is used by the
+    ``random`` schedule and the ``random`` window phase."""
     if window < 1:
         raise ValueError(f"noise window w must be >= 1, got {window}")
+    if schedule in ("progressive", "reverse_progressive"):
+        phi = window_phase(window, phase, seed)
+    elif phase not in WINDOW_PHASES:
+        raise ValueError(f"unknown window phase {phase!r}; expected one of {WINDOW_PHASES}")
     if schedule == "progressive":
-        ks = [i % window for i in range(num_blocks)]
+        ks = [(i + phi) % window for i in range(num_blocks)]
     elif schedule == "reverse_progressive":
-        ks = [window - i % window for i in range(num_blocks)]
+        ks = [window - (i + phi) % window for i in range(num_blocks)]
     elif schedule == "random":
         ks = np.random.default_rng(list(seed)).integers(0, window, size=num_blocks).tolist()
     else:
@@ -70,9 +97,10 @@ def select_noisy_blocks(
     window: int,
     schedule: str,
     seed: Sequence[int] = (0,),
+    phase: str = "zero",
 ) -> list[list[int]]:
     """One noisy state per block (``states[i]`` is block i's trajectory), following the schedule."""
-    ratios = noise_ratios(len(fixed_points), window, schedule, seed)
+    ratios = noise_ratios(len(fixed_points), window, schedule, seed, phase)
     chosen = []
     blocks = zip(states, fixed_points, valid_lens, ratios, strict=True)
     for i, (trajectory, fixed_point, valid_len, t) in enumerate(blocks):

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from data_pipelines.jacobi_batch import MASKS, build_jacobi_batch, sample_length
-from data_pipelines.jacobi_noise import SCHEDULES, select_noisy_blocks
+from data_pipelines.jacobi_noise import SCHEDULES, WINDOW_PHASES, select_noisy_blocks
 from data_pipelines.jacobi_trajectories import CollectSettings, collect_trajectories, load_trajectories, read_meta
 from data_pipelines.sources import DataError
 from losses.jacobi import jacobi_forcing_loss
@@ -60,6 +60,8 @@ class JacobiForcingConfig(RecipeConfig):
     window: int = 16
     # progressive | reverse_progressive | random
     schedule: str = "progressive"
+    # zero (SPEC: windows start at block 0) | random (per-sample shift; see data_pipelines.jacobi_noise)
+    window_phase: str = "zero"
     # nc (noise-conditioned, the paper's choice) | nc_ic (intra-window clean context, ablation)
     mask: str = "nc"
     # w in L = L_pc + w * L_AR.
@@ -79,10 +81,10 @@ class JacobiForcingConfig(RecipeConfig):
     collect_dir: Optional[str] = None
 
 
-def _examples(row, block_size: int, window: int, schedule: str, seed: int) -> dict:
+def _examples(row, block_size: int, window: int, schedule: str, phase: str, seed: int) -> dict:
     """One training example: the prompt, the schedule's noisy state and the fixed point per block."""
     noisy = select_noisy_blocks(
-        row["states"], row["fixed_points"], row["valid_lens"], window, schedule, (seed, row["index"])
+        row["states"], row["fixed_points"], row["valid_lens"], window, schedule, (seed, row["index"]), phase
     )
     return {
         "prompt_ids": row["prompt_ids"],
@@ -104,6 +106,10 @@ class JacobiForcingMethod(Method):
                 raise ConfigError(f"config key 'recipe.{key}' = {getattr(cfg, key)}; must be >= 1")
         if cfg.schedule not in SCHEDULES:
             raise ConfigError(f"config key 'recipe.schedule' = {cfg.schedule!r}; expected one of {SCHEDULES}")
+        if cfg.window_phase not in WINDOW_PHASES:
+            raise ConfigError(
+                f"config key 'recipe.window_phase' = {cfg.window_phase!r}; expected one of {WINDOW_PHASES}"
+            )
         if cfg.mask not in MASKS:
             raise ConfigError(f"config key 'recipe.mask' = {cfg.mask!r}; expected one of {MASKS}")
         if cfg.ar_weight < 0:
@@ -135,7 +141,7 @@ class JacobiForcingMethod(Method):
         examples = trajectories.map(
             _examples,
             fn_kwargs={"block_size": self.cfg.block_size, "window": self.cfg.window,
-                       "schedule": self.cfg.schedule, "seed": self.cfg.seed},
+                       "schedule": self.cfg.schedule, "phase": self.cfg.window_phase, "seed": self.cfg.seed},
             remove_columns=trajectories.column_names,
             desc="jacobi noise schedule",
         )

@@ -86,3 +86,24 @@ def test_select_noisy_blocks_follows_the_progressive_schedule():
     assert noisy == [FP, TRAJ[2], TRAJ[1], TRAJ[0]]
     with pytest.raises(ValueError, match="block 1: a block's trajectory has no state"):
         select_noisy_blocks([TRAJ, []], [FP, FP], [8, 8], window=2, schedule="progressive")
+
+
+def test_random_window_phase_shifts_each_sample_window_and_covers_every_level():
+    # Phase zero is the SPEC's schedule.
+    assert noise_ratios(5, 3, "progressive", (0, 1), "zero") == noise_ratios(5, 3, "progressive")
+    phases = set()
+    for index in range(60):
+        ratios = noise_ratios(5, 3, "progressive", (0, index), "random")
+        assert ratios == noise_ratios(5, 3, "progressive", (0, index), "random")  # deterministic
+        phi = int(ratios[0] * 3)
+        # A shifted window, still a linear ramp: t_i = W[(i + phi) mod w].
+        assert ratios == [F((i + phi) % 3, 3) for i in range(5)]
+        phases.add(phi)
+        rev = noise_ratios(5, 3, "reverse_progressive", (0, index), "random")
+        assert rev == [1 - F((i + phi) % 3, 3) for i in range(5)]
+    # Block 0 is noised at every level over the data set (phase zero never noises it).
+    assert phases == {0, 1, 2}
+    with pytest.raises(ValueError, match="window phase"):
+        noise_ratios(3, 2, "progressive", (0,), "sometimes")
+    with pytest.raises(ValueError, match="window phase"):
+        noise_ratios(3, 2, "random", (0,), "sometimes")

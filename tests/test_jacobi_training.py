@@ -306,3 +306,23 @@ def test_training_on_trajectories_from_the_collection_script(tmp_path):
     with pytest.raises(DataError, match="block_size=4 but recipe.block_size=2"):
         run_in_process([*SMALL, f"output_dir={tmp_path / 'other'}", "trainer.max_steps=1", "recipe.block_size=2",
                         f"recipe.trajectories_dir={directory}"])
+
+
+def test_window_phase_reaches_the_training_examples(tmp_path):
+    """recipe.window_phase=random noises block 0 in some samples (phase zero never does), and an
+    unknown phase fails at start with the key's name."""
+    from methods.jacobi_forcing import _examples
+    from trainers.config import ConfigError
+
+    fixed_point = [1, 2, 3, 4]
+    trajectory = [[1, 9, 9, 9], [1, 2, 9, 9], fixed_point]
+    noisy_block0 = {"zero": 0, "random": 0}
+    for phase in noisy_block0:
+        for index in range(40):
+            row = {"index": index, "prompt_ids": [5, 6], "states": [trajectory] * 3,
+                   "fixed_points": [fixed_point] * 3, "valid_lens": [4] * 3}
+            example = _examples(row, block_size=4, window=3, schedule="progressive", phase=phase, seed=0)
+            noisy_block0[phase] += example["noisy_blocks"][0] != fixed_point
+    assert noisy_block0["zero"] == 0 and noisy_block0["random"] > 0
+    with pytest.raises(ConfigError, match="recipe.window_phase"):
+        run_in_process([*SMALL, f"output_dir={tmp_path}", "recipe.window_phase=sometimes"])
