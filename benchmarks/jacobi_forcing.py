@@ -17,15 +17,18 @@ reference of that model's parallel rows. Columns:
 
 Jacobi rows use the block size a checkpoint was trained at (``config.pardec.jacobi_block_size``),
 the base the round-2 block size (``--base-block-size``); drafts start from tokens drawn from the
-prompt and the committed tokens (``draft_init=context``, the training noise). The multi-block row
-runs the round-2 model with K blocks in flight, spawn ratio r, an n-gram pool and a verification
-size (the paper's K=2, r=0.85 and verification size 4 by default; SPEC §2).
+prompt and the committed tokens (``draft_init=context``, the training noise). The multi-block rows
+run the round-2 model with K blocks in flight, spawn ratio r, an n-gram pool and a verification
+size (the paper's K=2, r=0.85 and verification size 4 by default; SPEC §2). The block size is a
+decoding choice: round 2 is also decoded (Jacobi and multi-block) at ``--wide-block-size`` (twice
+its trained block by default), as the paper does: trained at n = 32, it decodes Jacobi at n = 128
+and MR at n = 64 (§4.1, §4.3).
 
 Training efficiency (table 2). One realistic micro-batch: Jacobi trajectories of the base on
 ``--train-samples`` training prompts at block size ``--train-block-size``, noisy states chosen by
 the progressive schedule (window ``--train-window``), packed by
 ``data_pipelines.jacobi_batch.build_jacobi_batch`` into rows of ``--pack-length``. Timed, each a
-forward + L = L_pc + 10 L_AR + backward with the base in train mode:
+forward + L = L_pc + 30 L_AR + backward with the base in train mode:
 
 * packed: ONE forward over the packed rows with the NC mask (what the trainer runs);
 * naive: per sample and block j, one causal forward for the noisy block on
@@ -65,7 +68,7 @@ from methods.base import forward_logits
 from trainers.config import DataConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
-AR_WEIGHT = 10.0
+AR_WEIGHT = 30.0  # recipes/experiment/jacobi_forcing_default.yaml
 
 
 def parse_args() -> argparse.Namespace:
@@ -77,7 +80,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--base-block-size", type=int, default=None,
                    help="Jacobi block size for the base (default: the round-2 block size)")
-    p.add_argument("--mr-block-size", type=int, default=None, help="multi-block n (default: the round-2 block size)")
+    p.add_argument("--wide-block-size", type=int, default=None,
+                   help="a decode-time block wider than round 2's trained one, for extra Jacobi and multi-block "
+                        "rows of round 2 (default: twice the round-2 block size; 0 = no extra rows)")
     p.add_argument("--num-blocks", type=int, default=2, help="multi-block K")
     p.add_argument("--spawn-ratio", type=float, default=0.85, help="multi-block r")
     p.add_argument("--ngram-pool-size", type=int, default=4)
@@ -110,12 +115,17 @@ def decoding_table(args, models: dict, eval_rows) -> list[dict]:
     n1 = trained_block_size(models["round1"][0], args.round1)
     n2 = trained_block_size(models["round2"][0], args.round2)
     base_n = args.base_block_size or n2
-    mr_n = args.mr_block_size or n2
+    wide_n = 2 * n2 if args.wide_block_size is None else args.wide_block_size
     common = {"max_new_tokens": args.max_new_tokens, "batch_size": 1}
     jacobi = lambda n: {"name": "jacobi", "block_size": n, "draft_init": "context", **common}  # noqa: E731
-    multiblock = {"name": "multiblock", "block_size": mr_n, "num_blocks": args.num_blocks,
-                  "spawn_ratio": args.spawn_ratio, "ngram_pool_size": args.ngram_pool_size,
-                  "verification_size": args.verification_size, "draft_init": "context", **common}
+
+    def multiblock(n: int) -> tuple[str, str, dict]:
+        label = (f"Multi-block + recycling n={n} K={args.num_blocks} r={args.spawn_ratio} "
+                 f"pool={args.ngram_pool_size} verify={args.verification_size} (round 2)")
+        return label, "round2", {"name": "multiblock", "block_size": n, "num_blocks": args.num_blocks,
+                                 "spawn_ratio": args.spawn_ratio, "ngram_pool_size": args.ngram_pool_size,
+                                 "verification_size": args.verification_size, "draft_init": "context", **common}
+
     rows = [
         ("AR greedy (base)", "base", {"name": "ar", **common}),
         (f"Jacobi n={base_n} (base, untrained)", "base", jacobi(base_n)),
@@ -123,9 +133,10 @@ def decoding_table(args, models: dict, eval_rows) -> list[dict]:
         (f"Jacobi n={n1} (round 1)", "round1", jacobi(n1)),
         ("AR greedy (round 2)", "round2", {"name": "ar", **common}),
         (f"Jacobi n={n2} (round 2)", "round2", jacobi(n2)),
-        (f"Multi-block + recycling n={mr_n} K={args.num_blocks} r={args.spawn_ratio} "
-         f"pool={args.ngram_pool_size} verify={args.verification_size} (round 2)", "round2", multiblock),
+        multiblock(n2),
     ]
+    if wide_n:
+        rows += [(f"Jacobi n={wide_n} (round 2, trained at n={n2})", "round2", jacobi(wide_n)), multiblock(wide_n)]
     table, own_ar = [], {}
     warmup = eval_rows.select(range(min(2, len(eval_rows))))
     for label, which, decoder in rows:

@@ -79,6 +79,10 @@ class JacobiForcingConfig(RecipeConfig):
     trajectories_dir: Optional[str] = None
     # Where this stage collects (resumable shards); the recipe YAML sets ${output_dir}/trajectories.
     collect_dir: Optional[str] = None
+    # The training prompts this stage collects from: rows [prompt_start, prompt_start + num_prompts)
+    # of the training split (null = to its end). Per-stage values give each round fresh prompts.
+    prompt_start: int = 0
+    num_prompts: Optional[int] = None
 
 
 def _examples(row, block_size: int, window: int, schedule: str, phase: str, seed: int) -> dict:
@@ -114,6 +118,16 @@ class JacobiForcingMethod(Method):
             raise ConfigError(f"config key 'recipe.mask' = {cfg.mask!r}; expected one of {MASKS}")
         if cfg.ar_weight < 0:
             raise ConfigError(f"config key 'recipe.ar_weight' = {cfg.ar_weight}; must be >= 0")
+        if cfg.prompt_start < 0 or (cfg.num_prompts is not None and cfg.num_prompts < 1):
+            raise ConfigError(
+                f"config keys 'recipe.prompt_start' = {cfg.prompt_start} (>= 0) and 'recipe.num_prompts' = "
+                f"{cfg.num_prompts} (>= 1 or null)"
+            )
+        if cfg.trajectories_dir is not None and (cfg.prompt_start or cfg.num_prompts is not None):
+            raise ConfigError(
+                "'recipe.prompt_start' / 'recipe.num_prompts' select the prompts to collect from; with "
+                "'recipe.trajectories_dir' nothing is collected: choose the prompts when running the collection script"
+            )
         if cfg.trajectories_dir is None and cfg.collect_dir is None:
             raise ConfigError("set 'recipe.trajectories_dir' (pre-collected) or 'recipe.collect_dir' (collect here)")
         self.pack_length: int | None = None
@@ -166,6 +180,17 @@ class JacobiForcingMethod(Method):
                 "scripts/collect_trajectories.py and set recipe.trajectories_dir"
             )
         prompts = [ids[:p] for ids, p in zip(tokenized["input_ids"], tokenized["prompt_len"])]
+        stop = None if self.cfg.num_prompts is None else self.cfg.prompt_start + self.cfg.num_prompts
+        if stop is not None and stop > len(prompts):
+            raise DataError(
+                f"recipe.prompt_start={self.cfg.prompt_start} + recipe.num_prompts={self.cfg.num_prompts} > "
+                f"{len(prompts)} training prompts (raise data.max_train_samples or lower recipe.num_prompts)"
+            )
+        prompts = prompts[self.cfg.prompt_start : stop]
+        if not prompts:
+            raise DataError(
+                f"recipe.prompt_start={self.cfg.prompt_start} leaves no prompt of the {len(tokenized)} training prompts"
+            )
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         if torch.cuda.is_available():
             model.to(torch.device("cuda", torch.cuda.current_device()))

@@ -9,11 +9,12 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from data_pipelines.jacobi_batch import IGNORE_INDEX, build_jacobi_batch
 from data_pipelines.jacobi_trajectories import load_trajectories
-from data_pipelines.sources import DataError
+from data_pipelines.sources import DataError, load_raw_split
+from data_pipelines.tokenize import format_prompt_ids
 from inference.decoders.registry import build_decoder
 from losses.jacobi import jacobi_forcing_loss
 from methods.base import forward_logits, move_batch
@@ -326,3 +327,22 @@ def test_window_phase_reaches_the_training_examples(tmp_path):
     assert noisy_block0["zero"] == 0 and noisy_block0["random"] > 0
     with pytest.raises(ConfigError, match="recipe.window_phase"):
         run_in_process([*SMALL, f"output_dir={tmp_path}", "recipe.window_phase=sometimes"])
+
+
+def test_each_round_collects_from_its_own_prompt_range(tmp_path):
+    """Per-stage prompt ranges: round 1 collects prompts [0, 2), round 2 prompts [2, 5) of the split;
+    a range past the split's end is named."""
+    stages = ("[{name:r1,max_steps:1,overrides:{prompt_start:0,num_prompts:2}},"
+              "{name:r2,max_steps:1,overrides:{prompt_start:2,num_prompts:3}}]")
+    common = [*SMALL, "data.max_train_samples=5"]
+    result = run_in_process([*common, f"output_dir={tmp_path}", f"recipe.stages={stages}"])
+    assert result.status == "finished"
+    cfg = compose_train([*FAST, *common, f"output_dir={tmp_path}"])
+    tok = AutoTokenizer.from_pretrained(tmp_path / "stages" / "00-r1" / "hf")
+    prompts = [format_prompt_ids(tok, row["prompt"], "plain") for row in load_raw_split(cfg.data, "train")]
+    for stage, expected in (("00-r1", prompts[0:2]), ("01-r2", prompts[2:5])):
+        rows = load_trajectories(tmp_path / "stages" / stage / "trajectories")
+        assert [list(r["prompt_ids"]) for r in rows] == [list(p) for p in expected]
+    with pytest.raises(DataError, match="recipe.prompt_start=4 \\+ recipe.num_prompts=3 > 5"):
+        run_in_process([*common, f"output_dir={tmp_path / 'over'}", "trainer.max_steps=1",
+                        "recipe.prompt_start=4", "recipe.num_prompts=3"])
