@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from data_pipelines.jacobi_trajectories import load_trajectories
 from models.loading import load_model, load_tokenizer
 from tests.train_utils import compose_train, exported_weights, run_torchrun
 
@@ -50,3 +51,26 @@ def test_two_processes_match_one(tmp_path, base_checkpoint, one_process, zero):
     # only rank 0 wrote Hydra's files and metrics
     assert (tmp_path / ".hydra" / "config.yaml").is_file()
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+JACOBI = ["recipe=jacobi_forcing", "recipe.stages=[]", "data.max_train_samples=4", "recipe.block_size=4",
+          "recipe.window=2", "recipe.window_phase=random", "recipe.max_new_tokens=8", "recipe.shard_size=1",
+          "trainer.micro_batch_size=1", "trainer.max_steps=2"]
+
+
+def test_jacobi_forcing_collects_in_run_on_two_ranks_like_one(tmp_path, base_checkpoint):
+    """In-run trajectory collection sharded over 2 ranks (each collects its shards, then all wait at
+    a barrier and read every shard) gives the one-process trajectories, and training on them the
+    one-process weights (global batch 2 either way)."""
+    runs = {}
+    for nproc, accum in ((1, 2), (2, 1)):
+        out = tmp_path / f"nproc{nproc}"
+        run_torchrun([f"output_dir={out}", "model=hf", f"model.path={base_checkpoint}", *JACOBI,
+                      f"trainer.grad_accum={accum}"], nproc=nproc, cwd=tmp_path)
+        runs[nproc] = (load_trajectories(out / "trajectories"), exported_weights(out / "hf"))
+    (traj1, weights1), (traj2, weights2) = runs[1], runs[2]
+    assert len(traj1) == 4 and [dict(r) for r in traj2] == [dict(r) for r in traj1]
+    base = exported_weights(base_checkpoint)
+    for name, tensor in weights2.items():
+        assert not torch.equal(tensor, base[name]) or "norm" in name, f"{name} did not train"
+        torch.testing.assert_close(tensor, weights1[name], rtol=1e-4, atol=1e-5)
