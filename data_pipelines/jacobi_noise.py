@@ -13,9 +13,9 @@ Schedules over the blocks i = 0, 1, ... of one sample, window size w, W = {0, 1/
   seeded by (seed, sample index), so a sample's choice does not depend on sharding or order.
 
 Window phase (the two window schedules). ``zero`` (SPEC, paper Eq. 7): the windows start at the
-sample's first block, so block 0 is always clean. In the paper a window (w * n = 256 tokens) is
-about one answer and answers run to many windows, so where a block sits inside its window is
-unrelated to where it sits in the answer. On short answers (a few blocks) phase zero ties the two:
+sample's first block, so block 0 is always clean. In the paper a window spans w * n = 256 tokens
+and answers run to many windows, so where a block sits inside its window is unrelated to where it
+sits in the answer. On short answers (a few blocks) phase zero ties the two:
 block 0 is never noised (it gets no consistency pair at all) and block i only ever sees t = W[i].
 ``random`` shifts each sample's windows by phi drawn uniformly from {0, ..., w-1} (seeded by
 (seed, sample index), a stream separate from the random schedule's): t_i = W[(i + phi) mod w], so
@@ -57,10 +57,7 @@ def noise_ratios(
     ``random`` schedule and the ``random`` window phase."""
     if window < 1:
         raise ValueError(f"noise window w must be >= 1, got {window}")
-    if schedule in ("progressive", "reverse_progressive"):
-        phi = window_phase(window, phase, seed)
-    elif phase not in WINDOW_PHASES:
-        raise ValueError(f"unknown window phase {phase!r}; expected one of {WINDOW_PHASES}")
+    phi = window_phase(window, phase, seed)  # validates phase; the random schedule ignores it
     if schedule == "progressive":
         ks = [(i + phi) % window for i in range(num_blocks)]
     elif schedule == "reverse_progressive":

@@ -126,7 +126,7 @@ class JacobiForcingMethod(Method):
         if cfg.trajectories_dir is not None and (cfg.prompt_start or cfg.num_prompts is not None):
             raise ConfigError(
                 "'recipe.prompt_start' / 'recipe.num_prompts' select the prompts to collect from; with "
-                "'recipe.trajectories_dir' nothing is collected: choose the prompts when running the collection script"
+                "'recipe.trajectories_dir' nothing is collected: set them on scripts/collect_trajectories.py instead"
             )
         if cfg.trajectories_dir is None and cfg.collect_dir is None:
             raise ConfigError("set 'recipe.trajectories_dir' (pre-collected) or 'recipe.collect_dir' (collect here)")
@@ -142,6 +142,22 @@ class JacobiForcingMethod(Method):
             shard_size=self.cfg.shard_size,
             greedy_atol=self.cfg.greedy_atol,
         )
+
+    def collect_prompts(self, tokenized) -> list[list[int]]:
+        """The prompt ids to collect from: tokenised training rows [prompt_start, prompt_start + num_prompts)."""
+        prompts = [ids[:p] for ids, p in zip(tokenized["input_ids"], tokenized["prompt_len"])]
+        stop = None if self.cfg.num_prompts is None else self.cfg.prompt_start + self.cfg.num_prompts
+        if stop is not None and stop > len(prompts):
+            raise DataError(
+                f"recipe.prompt_start={self.cfg.prompt_start} + recipe.num_prompts={self.cfg.num_prompts} > "
+                f"{len(prompts)} training prompts (raise data.max_train_samples or lower recipe.num_prompts)"
+            )
+        prompts = prompts[self.cfg.prompt_start : stop]
+        if not prompts:
+            raise DataError(
+                f"recipe.prompt_start={self.cfg.prompt_start} leaves no prompt of the {len(tokenized)} training prompts"
+            )
+        return prompts
 
     def build_train_dataset(self, tokenized, data_cfg, model=None):
         directory = Path(self.cfg.trajectories_dir) if self.cfg.trajectories_dir else self._collect(tokenized, model)
@@ -179,18 +195,7 @@ class JacobiForcingMethod(Method):
                 "the model is partitioned (ZeRO-3): collect trajectories beforehand with "
                 "scripts/collect_trajectories.py and set recipe.trajectories_dir"
             )
-        prompts = [ids[:p] for ids, p in zip(tokenized["input_ids"], tokenized["prompt_len"])]
-        stop = None if self.cfg.num_prompts is None else self.cfg.prompt_start + self.cfg.num_prompts
-        if stop is not None and stop > len(prompts):
-            raise DataError(
-                f"recipe.prompt_start={self.cfg.prompt_start} + recipe.num_prompts={self.cfg.num_prompts} > "
-                f"{len(prompts)} training prompts (raise data.max_train_samples or lower recipe.num_prompts)"
-            )
-        prompts = prompts[self.cfg.prompt_start : stop]
-        if not prompts:
-            raise DataError(
-                f"recipe.prompt_start={self.cfg.prompt_start} leaves no prompt of the {len(tokenized)} training prompts"
-            )
+        prompts = self.collect_prompts(tokenized)
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         if torch.cuda.is_available():
             model.to(torch.device("cuda", torch.cuda.current_device()))

@@ -8,6 +8,8 @@ recipe's top-level keys ``block_size``, ``max_new_tokens``, ``seed``, ``shard_si
 ``greedy_atol`` (``recipe.stages`` is ignored: pass round 2's values, e.g. ``recipe.block_size=32``,
 with ``model.path`` = the round-1 export). Trajectories go to ``recipe.collect_dir`` (default
 ``${output_dir}/trajectories``); rerunning the same command resumes, skipping finished shards.
+``recipe.prompt_start`` / ``recipe.num_prompts`` select a range of the training prompts, as in-run
+collection does.
 Train on them with ``recipe.trajectories_dir=<that directory>``.
 
 Examples:
@@ -52,7 +54,7 @@ def collect(cfg: DictConfig) -> Path:
         barrier()
     attn = resolve_attn_implementation(cfg.model.attn_implementation, on_gpu, needs_custom_mask=False)
     model = load_model(cfg.model, tokenizer, resolve_dtype(cfg.model.dtype, on_gpu), attn).to(dist_info.device)
-    prompts = [ids[:p] for ids, p in zip(tokenized["input_ids"], tokenized["prompt_len"])]
+    prompts = method.collect_prompts(tokenized)
     directory = Path(cfg.recipe.collect_dir)
     collect_trajectories(model, prompts, directory, method.collect_settings(), dist_info.rank, dist_info.world_size)
     barrier()

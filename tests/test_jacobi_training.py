@@ -21,6 +21,7 @@ from methods.base import forward_logits, move_batch
 from scripts.collect_trajectories import collect
 from tests.helpers_inference import tiny_model
 from tests.train_utils import FAST, compose_train, run_in_process
+from trainers.config import ConfigError
 
 torch.set_num_threads(1)
 
@@ -313,7 +314,6 @@ def test_window_phase_reaches_the_training_examples(tmp_path):
     """recipe.window_phase=random noises block 0 in some samples (phase zero never does), and an
     unknown phase fails at start with the key's name."""
     from methods.jacobi_forcing import _examples
-    from trainers.config import ConfigError
 
     fixed_point = [1, 2, 3, 4]
     trajectory = [[1, 9, 9, 9], [1, 2, 9, 9], fixed_point]
@@ -346,3 +346,10 @@ def test_each_round_collects_from_its_own_prompt_range(tmp_path):
     with pytest.raises(DataError, match="recipe.prompt_start=4 \\+ recipe.num_prompts=3 > 5"):
         run_in_process([*common, f"output_dir={tmp_path / 'over'}", "trainer.max_steps=1",
                         "recipe.prompt_start=4", "recipe.num_prompts=3"])
+    # The collection script selects the same range; with pre-collected trajectories a range is refused.
+    directory = collect(compose_train([*FAST, *common, f"output_dir={tmp_path / 'script'}", "recipe.prompt_start=2",
+                                       "recipe.num_prompts=3"]))
+    assert [list(r["prompt_ids"]) for r in load_trajectories(directory)] == [list(p) for p in prompts[2:5]]
+    with pytest.raises(ConfigError, match="recipe.trajectories_dir"):
+        run_in_process([*common, f"output_dir={tmp_path / 'both'}", f"recipe.trajectories_dir={directory}",
+                        "recipe.prompt_start=2"])
