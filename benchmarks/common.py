@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
+from data_pipelines.config import DataConfig
 from data_pipelines.sources import load_raw_split
-from trainers.config import DataConfig
 
 
 def held_out_rows(num_samples: int):

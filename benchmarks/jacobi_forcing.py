@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from benchmarks.common import held_out_rows, identical
+from data_pipelines.config import DataConfig
 from data_pipelines.jacobi_batch import build_jacobi_batch
 from data_pipelines.jacobi_noise import select_noisy_blocks
 from data_pipelines.jacobi_trajectories import CollectSettings, collect_one
@@ -65,7 +66,6 @@ from inference.checkpoint import load_checkpoint
 from inference.evaluate import evaluate
 from losses.jacobi import jacobi_forcing_loss
 from methods.base import forward_logits
-from trainers.config import DataConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
 AR_WEIGHT = 30.0  # recipes/experiment/jacobi_forcing_default.yaml

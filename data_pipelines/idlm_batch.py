@@ -40,10 +40,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from common.constants import IGNORE_INDEX
 from masks.core import AttentionSpec
 from masks.idlm import X0, XT, idlm_mask
-
-IGNORE_INDEX = -100
 
 
 def greedy_pack(lengths: Sequence[int], pack_length: int) -> list[list[int]]:

@@ -41,11 +41,11 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from common.constants import IGNORE_INDEX
 from data_pipelines.idlm_batch import greedy_pack
 from masks.core import AttentionSpec
 from masks.jacobi import CLEAN, NOISY, PROMPT, jacobi_nc_ic_mask, jacobi_nc_mask
 
-IGNORE_INDEX = -100
 MASKS = ("nc", "nc_ic")
 
 

@@ -15,7 +15,7 @@ from typing import Sequence
 import datasets
 import torch
 
-from data_pipelines.sources import DataError
+from common.errors import DataError
 
 PAD_SEGMENT = -1
 

@@ -14,13 +14,12 @@ from pathlib import Path
 
 import datasets
 
+from common.errors import DataError
 from data_pipelines.synthetic_gsm import generate_split
 
 SPLITS = ("train", "eval")
 
 
-class DataError(ValueError):
-    """Bad data input; the message names the file, split or field."""
 
 
 def load_raw_split(data_cfg, split: str) -> datasets.Dataset:

@@ -19,7 +19,7 @@ import logging
 
 import datasets
 
-from data_pipelines.sources import DataError
+from common.errors import DataError
 
 log = logging.getLogger(__name__)
 

@@ -17,13 +17,13 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-MASK_TOKEN = "<|mask|>"
+from common.constants import MASK_TOKEN
+from common.errors import CheckpointError
+
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class CheckpointError(ValueError):
-    """The checkpoint directory is unusable; the message names the file or value."""
 
 
 def resolve_device(device: str) -> torch.device:

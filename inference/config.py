@@ -16,8 +16,9 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from common.errors import ConfigError
+from data_pipelines.config import DataConfig
 from inference.decoders.registry import decoder_config
-from trainers.config import ConfigError, DataConfig
 
 
 @dataclass

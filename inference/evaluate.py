@@ -27,13 +27,14 @@ import datasets
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from data_pipelines.sources import DataError
+from common.distributed import DistInfo, current
+from common.errors import DataError
 from data_pipelines.tokenize import format_prompt_ids
 from inference.decoders.ar import ARDecoder, ARDecoderConfig
 from inference.decoders.base import Decoder, DecoderConfig
 from inference.decoders.registry import build_decoder
 from inference.decoders.sampling import sample_seed
-from inference.distributed import DistContext, broadcast_object, current_context, gather_records, shard_indices
+from inference.distributed import broadcast_object, gather_records, shard_indices
 from inference.metrics import compute_metrics, gold_answer, score_answer
 
 
@@ -70,7 +71,7 @@ def evaluate(
     decoder = build_decoder(decoder_cfg, tokenizer)
     if template == "chat" and not tokenizer.chat_template:
         raise DataError("data.template=chat but the tokenizer has no chat template; use data.template=plain")
-    ctx = current_context() if shard else DistContext()
+    ctx = current() if shard else DistInfo()
     indices = shard_indices(len(eval_dataset), ctx)
     rows = [eval_dataset[i] for i in indices]
     prompts = [encode_prompt(tokenizer, row["prompt"], template, add_bos, i) for i, row in zip(indices, rows)]

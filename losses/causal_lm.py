@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from common.constants import IGNORE_INDEX
 
 
 def shifted_labels(input_ids: torch.Tensor, segment_ids: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from common.constants import IGNORE_INDEX
+
 AUTO = "auto"
-IGNORE_INDEX = -100
 
 
 def idlm_loss(

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from common.constants import IGNORE_INDEX
 
 
 def jacobi_forcing_loss(

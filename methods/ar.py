@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from data_pipelines.packing import PAD_SEGMENT, pack_dataset, pad_rows, single_sample_rows
 from losses.causal_lm import causal_lm_loss, shifted_labels
 from masks.core import causal_document_spec

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from common.errors import DataError
 from data_pipelines.idlm_batch import build_idlm_batch
-from data_pipelines.sources import DataError
 from losses.idlm import idlm_loss
 from methods.base import Method, forward_logits
 from methods.recipe_config import RecipeConfig

@@ -37,10 +37,10 @@ from typing import Any, List
 import torch
 from peft import LoraConfig, PeftModel
 
+from common.constants import METADATA_KEY
+from common.errors import ConfigError
 from methods.idlm import IDLMConfig, IDLMMethod
 from models.gated_lora import save_base_and_adapter, wrap_gated_lora
-from models.loading import METADATA_KEY
-from trainers.config import ConfigError
 
 _PREFIX = "peft_model."
 

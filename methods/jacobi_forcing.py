@@ -40,15 +40,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from common.distributed import barrier
+from common.errors import ConfigError, DataError
 from data_pipelines.jacobi_batch import MASKS, build_jacobi_batch, sample_length
 from data_pipelines.jacobi_noise import SCHEDULES, WINDOW_PHASES, select_noisy_blocks
 from data_pipelines.jacobi_trajectories import CollectSettings, collect_trajectories, load_trajectories, read_meta
-from data_pipelines.sources import DataError
 from losses.jacobi import jacobi_forcing_loss
 from methods.base import Method, forward_logits
 from methods.recipe_config import RecipeConfig
-from trainers.config import ConfigError
-from trainers.distributed import barrier
 
 
 @dataclass

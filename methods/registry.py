@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from trainers.config import ConfigError
+from common.errors import ConfigError
 
 # name -> "module:MethodClass:ConfigClass"
 _RECIPES = {

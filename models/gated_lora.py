@@ -59,8 +59,9 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import AutoModelForCausalLM
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from models.loading import MASK_TOKEN, METADATA_KEY, record_metadata
-from trainers.config import ConfigError
+from common.constants import MASK_TOKEN, METADATA_KEY
+from common.errors import ConfigError
+from models.loading import record_metadata
 
 GATED_LORA_FILE = "gated_lora.json"
 ADAPTER_SUBDIR = "adapter"

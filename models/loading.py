@@ -14,12 +14,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from trainers.config import ConfigError
+from common.constants import MASK_TOKEN, METADATA_KEY
+from common.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-MASK_TOKEN = "<|mask|>"
-METADATA_KEY = "pardec"
 
 
 def resolve_dtype(name: str, on_gpu: bool) -> torch.dtype:

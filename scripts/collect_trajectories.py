@@ -28,14 +28,15 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from common.distributed import barrier, init_distributed
+from common.errors import ConfigError
 from data_pipelines.jacobi_trajectories import collect_trajectories, load_trajectories
 from data_pipelines.sources import load_raw_split
 from data_pipelines.tokenize import tokenize_dataset
 from methods.registry import build_method
 from models.loading import load_model, load_tokenizer, resolve_attn_implementation, resolve_dtype
 from scripts.train import _quiet_non_main_ranks
-from trainers.config import ConfigError, register_schema, validate_train_config
-from trainers.distributed import barrier, init_distributed
+from trainers.config import register_schema, validate_train_config
 
 register_schema()
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 
 def collect(cfg: DictConfig) -> Path:
     """Collect this rank's shards, wait for every rank, and (rank 0) log a summary."""
-    dist_info = init_distributed()
+    dist_info = init_distributed(single_process_group=True)
     on_gpu = dist_info.device.type == "cuda"
     tokenizer = load_tokenizer(cfg.model, cfg.data)
     method = build_method(cfg.recipe, tokenizer)

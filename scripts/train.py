@@ -18,7 +18,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from trainers.config import ConfigError, register_schema, validate_train_config
+from common.errors import ConfigError
+from trainers.config import register_schema, validate_train_config
 
 register_schema()
 

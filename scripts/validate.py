@@ -24,13 +24,13 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from data_pipelines.sources import DataError, load_raw_split
-from inference.checkpoint import CheckpointError, load_checkpoint
+from common.distributed import init_distributed, shutdown
+from common.errors import CheckpointError, ConfigError, DataError
+from data_pipelines.sources import load_raw_split
+from inference.checkpoint import load_checkpoint
 from inference.config import ValidateConfig, validate_validate_config
-from inference.distributed import init_distributed, shutdown
 from inference.evaluate import evaluate
 from inference.metrics import format_markdown
-from trainers.config import ConfigError
 
 # The schema is the first default of recipes/validate.yaml: unknown keys fail while composing.
 ConfigStore.instance().store(name="validate_schema", node=ValidateConfig)

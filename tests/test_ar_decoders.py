@@ -8,13 +8,13 @@ import re
 import pytest
 import torch
 
-from inference.checkpoint import CheckpointError, load_checkpoint
+from common.errors import CheckpointError, ConfigError
+from inference.checkpoint import load_checkpoint
 from inference.decoders.base import DecoderConfig, DecodeResult, PerSampleDecoder
 from inference.decoders.registry import build_decoder
 from inference.decoders.sampling import SamplingParams, probs_from_logits, sample_seed
 from inference.metrics import compute_metrics, format_markdown, prefix_agreement, score_answer
 from tests.helpers_inference import save_checkpoint, tiny_model, tiny_tokenizer
-from trainers.config import ConfigError
 
 torch.set_num_threads(1)
 

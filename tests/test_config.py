@@ -6,8 +6,8 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError
 
+from common.errors import ConfigError
 from tests.train_utils import RECIPES, compose_train
-from trainers.config import ConfigError
 from trainers.deepspeed_config import build_deepspeed_config
 
 EXPERIMENTS = sorted(p.stem for p in (RECIPES / "experiment").glob("*.yaml"))

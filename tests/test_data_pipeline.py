@@ -10,15 +10,17 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from common.constants import IGNORE_INDEX
+from common.errors import DataError
+from data_pipelines.config import DataConfig
 from data_pipelines.packing import PAD_SEGMENT, pack_dataset, single_sample_rows
-from data_pipelines.sources import DataError, load_raw_split
+from data_pipelines.sources import load_raw_split
 from data_pipelines.synthetic_gsm import SyntheticGSMConfig
 from data_pipelines.synthetic_tokenizer import build_synthetic_tokenizer
 from data_pipelines.tokenize import tokenize_dataset
-from losses.causal_lm import IGNORE_INDEX, shifted_labels
+from losses.causal_lm import shifted_labels
 from masks.core import causal_document_spec, dense_additive_mask, dense_bool_mask
 from methods.ar import ARConfig, ARMethod
-from trainers.config import DataConfig
 
 
 @pytest.fixture(scope="module")
@@ -189,8 +191,9 @@ def test_missing_column_is_named(tmp_path):
 def test_missing_mask_token_is_named(tokenizer):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from models.loading import MASK_TOKEN, mask_token_id
-    from trainers.config import ConfigError
+    from common.constants import MASK_TOKEN
+    from common.errors import ConfigError
+    from models.loading import mask_token_id
 
     model = AutoModelForCausalLM.from_config(Qwen3Config(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
                                                          num_hidden_layers=1, num_attention_heads=2,
@@ -206,8 +209,8 @@ def test_missing_mask_token_is_named(tokenizer):
 def test_tokenizer_model_mismatch_is_named(tokenizer):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
+    from common.errors import ConfigError
     from models.loading import check_tokenizer_matches
-    from trainers.config import ConfigError
 
     model = AutoModelForCausalLM.from_config(Qwen3Config(vocab_size=10, hidden_size=16, intermediate_size=32,
                                                          num_hidden_layers=1, num_attention_heads=2,

@@ -18,16 +18,22 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from data_pipelines.idlm_batch import IGNORE_INDEX, build_idlm_batch
+from common.constants import IGNORE_INDEX, MASK_TOKEN
+from common.errors import ConfigError
+from data_pipelines.idlm_batch import build_idlm_batch
 from methods.base import forward_logits
 from methods.idlm_lora import IDLMLoraMethod
 from models.gated_lora import (
-    ADAPTER_SUBDIR, GATED_LORA_FILE, load_gated_lora, load_gated_lora_export, save_gated_lora, wrap_gated_lora,
+    ADAPTER_SUBDIR,
+    GATED_LORA_FILE,
+    load_gated_lora,
+    load_gated_lora_export,
+    save_gated_lora,
+    wrap_gated_lora,
 )
-from models.loading import MASK_TOKEN, load_model, load_tokenizer
+from models.loading import load_model, load_tokenizer
 from tests.test_idlm_batch import MASK_ID, random_samples, tiny_model
 from tests.train_utils import FAST, compose_train, run_in_process
-from trainers.config import ConfigError
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

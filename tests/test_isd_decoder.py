@@ -14,21 +14,16 @@ import torch
 from hydra import compose, initialize_config_dir
 from transformers import DynamicCache, Qwen3Config
 
+from common.errors import ConfigError
 from data_pipelines.idlm_batch import build_idlm_batch
 from inference.config import validate_validate_config
-from inference.decoders.isd import (
-    ISDDecoder,
-    introspective_acceptance,
-    introspective_ratios,
-    step_forward,
-)
+from inference.decoders.isd import ISDDecoder, introspective_acceptance, introspective_ratios, step_forward
 from inference.decoders.registry import build_decoder
 from inference.decoders.sampling import SamplingParams, probs_from_logits
 from inference.evaluate import evaluate
 from inference.isd_metrics import isd_summary, isd_tpf
 from masks.core import materialize
 from tests.helpers_inference import EVAL_ROWS, tiny_model, tiny_tokenizer
-from trainers.config import ConfigError
 
 torch.set_num_threads(1)
 

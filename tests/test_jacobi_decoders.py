@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from transformers import DynamicCache, Qwen3Config
 
+from common.errors import ConfigError
 from inference.decoders import multiblock
 from inference.decoders.jacobi import init_draft, prefill_prompt
 from inference.decoders.multiblock import Block, BlockChain, Commit, NgramPool, forward_branches, keep_cache_entries
 from inference.decoders.registry import build_decoder, decoder_config
 from tests.helpers_inference import tiny_model
-from trainers.config import ConfigError
 
 torch.set_num_threads(1)
 

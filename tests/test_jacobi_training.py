@@ -11,9 +11,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from data_pipelines.jacobi_batch import IGNORE_INDEX, build_jacobi_batch
+from common.constants import IGNORE_INDEX
+from common.errors import ConfigError, DataError
+from data_pipelines.jacobi_batch import build_jacobi_batch
 from data_pipelines.jacobi_trajectories import load_trajectories
-from data_pipelines.sources import DataError, load_raw_split
+from data_pipelines.sources import load_raw_split
 from data_pipelines.tokenize import format_prompt_ids
 from inference.decoders.registry import build_decoder
 from losses.jacobi import jacobi_forcing_loss
@@ -21,7 +23,6 @@ from methods.base import forward_logits, move_batch
 from scripts.collect_trajectories import collect
 from tests.helpers_inference import tiny_model
 from tests.train_utils import FAST, compose_train, run_in_process
-from trainers.config import ConfigError
 
 torch.set_num_threads(1)
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from common.errors import CheckpointError
 from tests.train_utils import exported_weights, run_in_process
-from trainers.checkpoint import CheckpointError
 from trainers.preemption import PREEMPTED_MARKER, STOP_FILE
 
 

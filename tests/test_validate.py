@@ -15,11 +15,10 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 import scripts.validate  # noqa: F401  (registers the validate_schema config node)
-from data_pipelines.sources import DataError
+from common.errors import ConfigError, DataError
 from inference.config import validate_validate_config
 from inference.evaluate import encode_prompt, evaluate, evaluate_model
 from tests.helpers_inference import EVAL_ROWS, save_checkpoint, tiny_model, tiny_tokenizer, write_eval_jsonl
-from trainers.config import ConfigError
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]

@@ -23,14 +23,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainers.distributed import barrier
+from common.distributed import barrier
+from common.errors import CheckpointError
 
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing or unreadable; the message names the file."""
 
 
 def tag_for(step: int) -> str:

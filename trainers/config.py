@@ -14,7 +14,8 @@ from typing import Any, Dict, List, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from data_pipelines.synthetic_gsm import SyntheticGSMConfig
+from common.errors import ConfigError
+from data_pipelines.config import DataConfig
 
 
 @dataclass
@@ -31,32 +32,6 @@ class ModelConfig:
     dtype: str = "auto"
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
-
-
-@dataclass
-class DataConfig:
-    # synthetic (embedded GSM-style generator) | files (local jsonl/json/parquet/txt) | hub
-    source: str = "synthetic"
-    train_files: List[str] = field(default_factory=list)
-    eval_files: List[str] = field(default_factory=list)
-    hub_name: Optional[str] = None
-    hub_config: Optional[str] = None
-    train_split: str = "train"
-    eval_split: str = "test"
-    prompt_field: str = "prompt"
-    response_field: str = "response"
-    # plain: prompt + response concatenated as is; chat: the tokenizer's chat template.
-    template: str = "plain"
-    max_length: int = 512
-    # truncate | drop (counted and logged) | error (first over-long sample raises)
-    length_policy: str = "truncate"
-    packing: bool = True
-    # Row length when packing; null = max_length.
-    pack_length: Optional[int] = None
-    num_proc: int = 1
-    max_train_samples: Optional[int] = None
-    max_eval_samples: Optional[int] = None
-    synthetic: SyntheticGSMConfig = field(default_factory=SyntheticGSMConfig)
 
 
 @dataclass
@@ -143,8 +118,6 @@ def register_schema() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
-class ConfigError(ValueError):
-    """A configuration value or key is invalid; the message names it."""
 
 
 def validate_train_config(cfg: DictConfig) -> DictConfig:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from trainers.distributed import barrier
+from common.distributed import barrier
 
 
 def _gathered(module, zero_stage: int):

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from common.distributed import DistInfo, all_reduce_mean, any_rank, barrier, init_distributed
 from data_pipelines.sources import load_raw_split
 from data_pipelines.tokenize import tokenize_dataset
 from methods.base import move_batch
@@ -30,7 +31,6 @@ from models.loading import load_model, load_tokenizer, record_metadata, resolve_
 from trainers.checkpoint import find_resume_dir, load_checkpoint, save_checkpoint
 from trainers.data_order import DataOrder
 from trainers.deepspeed_config import build_deepspeed_config
-from trainers.distributed import DistInfo, all_reduce_mean, any_rank, barrier, init_distributed
 from trainers.export import export_hf
 from trainers.metrics_logger import MetricsLogger
 from trainers.preemption import PREEMPTED_MARKER, PreemptionWatch
@@ -82,7 +82,7 @@ def expand_stages(cfg: DictConfig) -> list[DictConfig]:
 
 
 def run_recipe(cfg: DictConfig) -> StageResult:
-    dist_info = init_distributed()
+    dist_info = init_distributed(single_process_group=True)
     stages = expand_stages(cfg)
     result = None
     previous_export: Path | None = None

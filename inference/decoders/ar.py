@@ -19,15 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inference.decoders.base import (
-    DecodeResult,
-    Decoder,
-    DecoderConfig,
-    LoopTimer,
-    left_pad,
-    model_device,
-    prefill,
-)
+from inference.decoders.base import Decoder, DecoderConfig, DecodeResult, LoopTimer, left_pad, model_device, prefill
 from inference.decoders.sampling import SamplingParams, make_generators, select_tokens
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from trainers.config import ConfigError
+from common.errors import ConfigError
 
 
 @dataclass

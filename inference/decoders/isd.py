@@ -82,13 +82,14 @@ from typing import Any, Optional
 import torch
 from transformers import DynamicCache
 
-from inference.decoders.base import DecodeResult, DecoderConfig, LoopTimer, PerSampleDecoder, model_device, prefill
+from common.constants import METADATA_KEY
+from common.errors import ConfigError
+from inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device, prefill
 from inference.decoders.sampling import SamplingParams, probs_from_logits
 from inference.isd_metrics import isd_summary
 from masks.core import AttentionSpec, dense_additive_mask, dense_bool_mask
 from masks.idlm import X0, XT, idlm_mask
-from models.loading import METADATA_KEY, mask_token_id
-from trainers.config import ConfigError
+from models.loading import mask_token_id
 
 MODES = ("greedy", "sample")
 DRAFT_MODES = ("sample", "argmax")

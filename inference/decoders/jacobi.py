@@ -50,8 +50,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from inference.decoders.base import DecodeResult, DecoderConfig, LoopTimer, PerSampleDecoder, model_device, prefill
-from trainers.config import ConfigError
+from common.errors import ConfigError
+from inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device, prefill
 
 DRAFT_INITS = ("context", "repeat")
 

@@ -102,7 +102,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from inference.decoders.base import DecodeResult, DecoderConfig, LoopTimer, PerSampleDecoder, model_device
+from common.errors import ConfigError
+from inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device
 from inference.decoders.jacobi import (
     check_draft_config,
     converged_prefix,
@@ -112,7 +113,6 @@ from inference.decoders.jacobi import (
     truncate_at_eos,
 )
 from masks.core import DENSE_BACKENDS, MaskMod, dense_bool_mask
-from trainers.config import ConfigError
 
 ROOT = 0  # branch id of the anchor (seen by every branch)
 CHAIN = 1  # branch id of the blocks' drafts; candidate j (0-based) is CHAIN + 1 + j

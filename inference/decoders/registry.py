@@ -12,8 +12,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from common.errors import ConfigError
 from inference.decoders.base import Decoder, DecoderConfig
-from trainers.config import ConfigError
 
 # name -> "module:DecoderClass:ConfigClass"
 _DECODERS = {

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainers.config import ConfigError
+from common.errors import ConfigError
 
 
 @dataclass

@@ -1,0 +1,36 @@
+"""The ``data`` node of the training and validation configs (``recipes/data/*.yaml``): where the
+prompt/response examples come from, how they are formatted, tokenised, length-checked and packed.
+Validated key by key by the Hydra schemas of ``trainers.config`` and ``inference.config``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from data_pipelines.synthetic_gsm import SyntheticGSMConfig
+
+
+@dataclass
+class DataConfig:
+    # synthetic (embedded GSM-style generator) | files (local jsonl/json/parquet/txt) | hub
+    source: str = "synthetic"
+    train_files: List[str] = field(default_factory=list)
+    eval_files: List[str] = field(default_factory=list)
+    hub_name: Optional[str] = None
+    hub_config: Optional[str] = None
+    train_split: str = "train"
+    eval_split: str = "test"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    # plain: prompt + response concatenated as is; chat: the tokenizer's chat template.
+    template: str = "plain"
+    max_length: int = 512
+    # truncate | drop (counted and logged) | error (first over-long sample raises)
+    length_policy: str = "truncate"
+    packing: bool = True
+    # Row length when packing; null = max_length.
+    pack_length: Optional[int] = None
+    num_proc: int = 1
+    max_train_samples: Optional[int] = None
+    max_eval_samples: Optional[int] = None
+    synthetic: SyntheticGSMConfig = field(default_factory=SyntheticGSMConfig)
