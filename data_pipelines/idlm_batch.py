@@ -41,26 +41,9 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from common.constants import IGNORE_INDEX
+from data_pipelines.packing import PAD_SEGMENT, greedy_pack, pad_rows
 from masks.core import AttentionSpec
 from masks.idlm import X0, XT, idlm_mask
-
-
-def greedy_pack(lengths: Sequence[int], pack_length: int) -> list[list[int]]:
-    """Sample indices per row: fill rows in order, start a new row when the next sample does not fit.
-
-    ``lengths`` are slot counts (2L per I-DLM sample); a sample longer than ``pack_length`` is an error.
-    """
-    rows: list[list[int]] = []
-    used = pack_length
-    for i, n in enumerate(lengths):
-        if n > pack_length:
-            raise ValueError(f"sample {i} needs {n} slots > pack_length={pack_length}")
-        if used + n > pack_length:
-            rows.append([])
-            used = 0
-        rows[-1].append(i)
-        used += n
-    return rows
 
 
 def build_idlm_batch(
@@ -98,17 +81,14 @@ def build_idlm_batch(
     rows = greedy_pack([2 * len(ids) for ids in token_lists], pack_length)
 
     fields = ("input_ids", "position_ids", "labels_mask_stream", "labels_clean_stream", "segment_ids", "stream")
-    out: dict[str, list[torch.Tensor]] = {k: [] for k in fields}
+    filled = []
     for row in rows:
         parts = [_sample_slots(token_lists[i], int(samples[i]["prompt_len"]), seg, mask_token_id)
                  for seg, i in enumerate(row)]
-        row_tensors = {k: torch.cat([p[k] for p in parts]) for k in fields}
-        n_pad = pack_length - row_tensors["input_ids"].numel()
-        pad_values = {"input_ids": pad_token_id, "position_ids": 0, "labels_mask_stream": IGNORE_INDEX,
-                      "labels_clean_stream": IGNORE_INDEX, "segment_ids": -1, "stream": X0}
-        for k in fields:
-            out[k].append(torch.cat([row_tensors[k], torch.full((n_pad,), pad_values[k], dtype=torch.long)]))
-    batch = {k: torch.stack(v) for k, v in out.items()}  # each [r, s]
+        filled.append({k: torch.cat([p[k] for p in parts]) for k in fields})
+    pad_values = {"input_ids": pad_token_id, "position_ids": 0, "labels_mask_stream": IGNORE_INDEX,
+                  "labels_clean_stream": IGNORE_INDEX, "segment_ids": PAD_SEGMENT, "stream": X0}
+    batch = pad_rows(filled, pad_values, pack_length)  # each [r, s]
 
     metadata = {
         "segment_ids": batch.pop("segment_ids"),

@@ -42,7 +42,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from common.constants import IGNORE_INDEX
-from data_pipelines.idlm_batch import greedy_pack
+from data_pipelines.packing import PAD_SEGMENT, greedy_pack, pad_rows
 from masks.core import AttentionSpec
 from masks.jacobi import CLEAN, NOISY, PROMPT, jacobi_nc_ic_mask, jacobi_nc_mask
 
@@ -92,9 +92,9 @@ def build_jacobi_batch(
     rows = greedy_pack(lengths, pack_length)
 
     fields = ("input_ids", "position_ids", "labels", "segment_ids", "stream", "block_ids")
-    pad = {"input_ids": pad_token_id, "position_ids": 0, "labels": IGNORE_INDEX, "segment_ids": -1,
+    pad = {"input_ids": pad_token_id, "position_ids": 0, "labels": IGNORE_INDEX, "segment_ids": PAD_SEGMENT,
            "stream": PROMPT, "block_ids": -1}
-    out: dict[str, list[torch.Tensor]] = {k: [] for k in fields}
+    filled = []
     students, teachers = [], []
     for r, row in enumerate(rows):
         offset = r * pack_length
@@ -105,10 +105,8 @@ def build_jacobi_batch(
             teachers.append(pairs[1] + offset)
             offset += lengths[i]
             parts.append(part)
-        for k in fields:
-            filled = torch.cat([p[k] for p in parts])
-            out[k].append(torch.cat([filled, torch.full((pack_length - filled.numel(),), pad[k], dtype=torch.long)]))
-    batch = {k: torch.stack(v) for k, v in out.items()}  # each [r, s]
+        filled.append({k: torch.cat([p[k] for p in parts]) for k in fields})
+    batch = pad_rows(filled, pad, pack_length)  # each [r, s]
 
     metadata = {
         "segment_ids": batch.pop("segment_ids"),

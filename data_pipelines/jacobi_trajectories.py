@@ -61,6 +61,8 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from common.kv_cache import crop_cache
+
 META_FILE = "meta.json"
 FORMAT_VERSION = 1
 
@@ -116,12 +118,6 @@ def _forward(model, ids: list[int], start: int, cache: DynamicCache, keep: int =
     return out.logits[0]
 
 
-def _crop(cache: DynamicCache, length: int) -> None:
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
-
-
 @torch.no_grad()
 def jacobi_trajectory(
     model,
@@ -175,7 +171,7 @@ def _iterate_block(
         accepted = done + 1  # state[done] is exact: accepted prefix or the previous "+1" token
         while accepted < n and state[accepted] == guesses[accepted - 1 - done]:
             accepted += 1
-        _crop(cache, start + accepted)
+        crop_cache(cache, start + accepted)
         eos_at = next((o for o in range(done, accepted) if state[o] in eos), None)
         if eos_at is not None:
             return states, eos_at + 1, -1, forwards

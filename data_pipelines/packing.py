@@ -10,7 +10,7 @@ map batches; the waste this costs is one partial row per 1000 samples.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import datasets
 import torch
@@ -69,11 +69,38 @@ def single_sample_rows(ds: datasets.Dataset, token_columns: Sequence[str]) -> da
     return ds.map(one, remove_columns=[c for c in ds.column_names if c not in token_columns], desc="rows")
 
 
-def pad_rows(examples: list[dict], columns: dict[str, int], length: int | None = None) -> dict[str, torch.Tensor]:
-    """Right-pad each listed column to the longest row (or ``length``) with the given pad value.
-    Returns ``{column: [b, s]}`` long tensors."""
-    target = length or max(len(e["segment_ids"]) for e in examples)
+def greedy_pack(lengths: Sequence[int], pack_length: int) -> list[list[int]]:
+    """Sample indices per row: fill rows in order, start a new row when the next sample does not fit.
+
+    ``lengths`` are slot counts (2L per I-DLM sample, prompt + 2 x blocks x n per Jacobi Forcing
+    sample, ...); a sample longer than ``pack_length`` is an error.
+    """
+    rows: list[list[int]] = []
+    used = pack_length
+    for i, n in enumerate(lengths):
+        if n > pack_length:
+            raise ValueError(f"sample {i} needs {n} slots > pack_length={pack_length}")
+        if used + n > pack_length:
+            rows.append([])
+            used = 0
+        rows[-1].append(i)
+        used += n
+    return rows
+
+
+def pad_rows(
+    rows: Sequence[Mapping[str, Sequence[int] | torch.Tensor]], pad_values: Mapping[str, int], length: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Right-pad each column of ``pad_values`` to ``length`` (default: the longest row) with its pad
+    value, and stack. ``rows``: per row, ``{column: 1-D ids (list or tensor)}``. Returns
+    ``{column: [r, length]}`` long tensors."""
+    first = next(iter(pad_values))
+    target = length if length is not None else max(len(row[first]) for row in rows)
     out = {}
-    for col, pad in columns.items():
-        out[col] = torch.tensor([list(e[col]) + [pad] * (target - len(e[col])) for e in examples], dtype=torch.long)
+    for column, pad in pad_values.items():
+        padded = []
+        for row in rows:
+            values = torch.as_tensor(row[column], dtype=torch.long)  # [n]
+            padded.append(torch.cat([values, torch.full((target - values.numel(),), pad, dtype=torch.long)]))
+        out[column] = torch.stack(padded)  # [r, target]
     return out

@@ -1,9 +1,8 @@
-"""Next-token cross-entropy with packed samples (the AR loss, also the clean-stream loss of other recipes)."""
+"""Next-token labels over packed samples (the AR loss is ``losses.cross_entropy.token_mean_cross_entropy`` on them)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from common.constants import IGNORE_INDEX
 
@@ -19,16 +18,3 @@ def shifted_labels(input_ids: torch.Tensor, segment_ids: torch.Tensor, target_ma
     keep = same_sample & target_mask[:, 1:]  # [b, s-1]
     labels[:, :-1] = torch.where(keep, input_ids[:, 1:], labels[:, :-1])
     return labels
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Token-mean CE over positions with a label. ``logits`` ``[b, s, V]``, ``labels`` ``[b, s]``.
-
-    With no target in the batch the loss is an exact zero that still depends on ``logits`` (so
-    every rank runs the same backward), never NaN.
-    """
-    n_tokens = int((labels != IGNORE_INDEX).sum())
-    if n_tokens == 0:
-        return logits.sum() * 0.0, 0
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss / n_tokens, n_tokens

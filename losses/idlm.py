@@ -17,9 +17,8 @@ stays in the autograd graph (zero gradients, never NaN); with ``"auto"`` s is th
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from common.constants import IGNORE_INDEX
+from losses.cross_entropy import token_mean_cross_entropy
 
 AUTO = "auto"
 
@@ -43,10 +42,10 @@ def idlm_loss(
     auto = _check_scale(clean_scale)
 
     # 1. Decode pathway: CE on x_t slots whose (shifted) target is an answer token.
-    l_mask, _ = _token_mean_ce(logits, labels_mask_stream)  # []
+    l_mask, _ = token_mean_cross_entropy(logits, labels_mask_stream)  # []
 
     # 2. Introspection pathway: CE on x_0 slots with answer targets (the AR objective).
-    l_clean, n_clean = _token_mean_ce(logits, labels_clean_stream)  # []
+    l_clean, n_clean = token_mean_cross_entropy(logits, labels_clean_stream)  # []
 
     # 3. Scale of the clean term: fixed α, or the detached loss ratio (auto-balance).
     scale = l_mask.detach() / (l_clean.detach() + 1e-8) if auto else float(clean_scale)  # [] or float
@@ -60,17 +59,6 @@ def idlm_loss(
         "n_answer_tokens": float(n_clean),
     }
     return total, logs
-
-
-def _token_mean_ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Mean CE over the slots with ``labels != -100`` and their count. Only those rows of the logits
-    are gathered and upcast to float32 (same value as ``ignore_index=-100`` on the full tensor)."""
-    keep = labels != IGNORE_INDEX  # [b, s]
-    count = int(keep.sum())
-    if count == 0:
-        return logits.flatten()[:0].sum().float(), 0  # exact 0 in the graph, even if logits hold inf
-    picked = logits[keep].float()  # [n, V]
-    return F.cross_entropy(picked, labels[keep], reduction="sum") / count, count
 
 
 def _check_scale(clean_scale: float | str) -> bool:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.constants import IGNORE_INDEX
+from losses.cross_entropy import token_mean_cross_entropy
 
 
 def jacobi_forcing_loss(
@@ -69,12 +69,7 @@ def jacobi_forcing_loss(
     l_pc = kl.sum() / max(n_blocks, 1) if n_pairs else flat[:0].sum().float()  # []
 
     # 4. L_AR: token-mean CE over the labelled slots.
-    keep = labels.flatten() != IGNORE_INDEX  # [b*s]
-    n_ar = int(keep.sum())
-    if n_ar:
-        l_ar = F.cross_entropy(flat[keep].float(), labels.flatten()[keep], reduction="sum") / n_ar  # []
-    else:
-        l_ar = flat[:0].sum().float()
+    l_ar, n_ar = token_mean_cross_entropy(logits, labels)  # []
 
     # 5. Total.
     total = l_pc + ar_weight * l_ar  # []

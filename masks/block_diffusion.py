@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from masks.core import MaskMod
+from masks.core import MaskMod, within_sample
 from masks.idlm import XT
 
 
@@ -47,8 +47,7 @@ def block_diffusion_mask(segment_ids: torch.Tensor, stream: torch.Tensor, block_
         c5       .  .  .  .  .  .     x  x  x  x  x  x
     """
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        same_sample = (segment_ids[b, q_idx] == segment_ids[b, kv_idx]) & (segment_ids[b, q_idx] >= 0)
+    def inside_sample(b, h, q_idx, kv_idx):
         q_xt = stream[b, q_idx] == XT
         kv_xt = stream[b, kv_idx] == XT
         block_q = block_ids[b, q_idx]
@@ -56,6 +55,6 @@ def block_diffusion_mask(segment_ids: torch.Tensor, stream: torch.Tensor, block_
         noisy_self = q_xt & kv_xt & (block_kv == block_q)
         noisy_to_clean = q_xt & ~kv_xt & (block_kv < block_q)
         clean_self = ~q_xt & ~kv_xt & (block_kv <= block_q)
-        return (same_sample & (noisy_self | noisy_to_clean | clean_self)) | (q_idx == kv_idx)
+        return noisy_self | noisy_to_clean | clean_self
 
-    return mask_mod
+    return within_sample(segment_ids, inside_sample)

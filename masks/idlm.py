@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from masks.core import MaskMod
+from masks.core import MaskMod, within_sample
 
 XT = 0
 X0 = 1
@@ -61,8 +61,7 @@ def idlm_mask(
     causal run of MASKs), and x_0 never sees a MASK, so the clean stream equals a plain AR forward.
     """
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        same_sample = (segment_ids[b, q_idx] == segment_ids[b, kv_idx]) & (segment_ids[b, q_idx] >= 0)
+    def inside_sample(b, h, q_idx, kv_idx):
         q_xt = stream[b, q_idx] == XT
         kv_xt = stream[b, kv_idx] == XT
         block_q = block_ids[b, q_idx]
@@ -71,6 +70,6 @@ def idlm_mask(
         noisy_self = q_xt & kv_xt & (block_kv == block_q) & causal
         noisy_to_clean = q_xt & ~kv_xt & (block_kv < block_q)
         clean_self = ~q_xt & ~kv_xt & causal
-        return (same_sample & (noisy_self | noisy_to_clean | clean_self)) | (q_idx == kv_idx)
+        return noisy_self | noisy_to_clean | clean_self
 
-    return mask_mod
+    return within_sample(segment_ids, inside_sample)

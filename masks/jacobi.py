@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from masks.core import MaskMod
+from masks.core import MaskMod, within_sample
 
 PROMPT = 0
 NOISY = 1
@@ -62,8 +62,7 @@ def jacobi_nc_mask(
         c5      x  x    .  .    x  x    .  .    x  x
     """
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        same_sample = (segment_ids[b, q_idx] == segment_ids[b, kv_idx]) & (segment_ids[b, q_idx] >= 0)
+    def inside_sample(b, h, q_idx, kv_idx):
         stream_q, stream_kv = stream[b, q_idx], stream[b, kv_idx]
         block_q, block_kv = block_ids[b, q_idx], block_ids[b, kv_idx]
         causal = position_ids[b, kv_idx] <= position_ids[b, q_idx]
@@ -72,9 +71,9 @@ def jacobi_nc_mask(
         same_stream = (stream_q != PROMPT) & (stream_kv == stream_q)
         earlier_or_causal = (block_kv < block_q) | ((block_kv == block_q) & causal)
         allowed = prompt_self | block_q_sees_prompt | (same_stream & earlier_or_causal)
-        return (same_sample & allowed) | (q_idx == kv_idx)
+        return allowed
 
-    return mask_mod
+    return within_sample(segment_ids, inside_sample)
 
 
 def jacobi_nc_ic_mask(
@@ -120,8 +119,7 @@ def jacobi_nc_ic_mask(
         c6      x    .  .    x  x    .  .    x  x    .  .    x  x
     """
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        same_sample = (segment_ids[b, q_idx] == segment_ids[b, kv_idx]) & (segment_ids[b, q_idx] >= 0)
+    def inside_sample(b, h, q_idx, kv_idx):
         stream_q, stream_kv = stream[b, q_idx], stream[b, kv_idx]
         block_q, block_kv = block_ids[b, q_idx], block_ids[b, kv_idx]
         window_q, window_kv = window_ids[b, q_idx], window_ids[b, kv_idx]
@@ -134,6 +132,6 @@ def jacobi_nc_ic_mask(
         noisy_own_window = noisy_q & (stream_kv == NOISY) & (window_kv == window_q) & earlier_or_causal
         noisy_clean_past = noisy_q & (stream_kv == CLEAN) & (window_kv < window_q)
         allowed = prompt_self | block_q_sees_prompt | clean_q | noisy_own_window | noisy_clean_past
-        return (same_sample & allowed) | (q_idx == kv_idx)
+        return allowed
 
-    return mask_mod
+    return within_sample(segment_ids, inside_sample)

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from data_pipelines.packing import PAD_SEGMENT, pack_dataset, pad_rows, single_sample_rows
-from losses.causal_lm import causal_lm_loss, shifted_labels
+from losses.causal_lm import shifted_labels
+from losses.cross_entropy import token_mean_cross_entropy
 from masks.core import causal_document_spec
 from methods.base import Method, forward_logits
 from methods.recipe_config import RecipeConfig
@@ -58,5 +59,5 @@ class ARMethod(Method):
 
     def loss(self, model, batch):
         logits = forward_logits(model, batch)  # [b, s, V]
-        loss, n_tokens = causal_lm_loss(logits, batch["labels"])
+        loss, n_tokens = token_mean_cross_entropy(logits, batch["labels"])
         return loss, {"loss_ar": loss.item(), "n_target_tokens": float(n_tokens)}

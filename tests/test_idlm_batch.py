@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-from data_pipelines.idlm_batch import build_idlm_batch, greedy_pack
+from data_pipelines.idlm_batch import build_idlm_batch
+from data_pipelines.packing import greedy_pack
 from masks.core import dense_additive_mask
 from masks.idlm import idlm_mask
 

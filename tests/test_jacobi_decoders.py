@@ -19,6 +19,7 @@ from inference.decoders import multiblock
 from inference.decoders.jacobi import init_draft, prefill_prompt
 from inference.decoders.multiblock import Block, BlockChain, Commit, NgramPool, forward_branches, keep_cache_entries
 from inference.decoders.registry import build_decoder, decoder_config
+from masks.core import additive_mask
 from tests.helpers_inference import tiny_model
 
 torch.set_num_threads(1)
@@ -283,7 +284,8 @@ def test_multiblock_mask_predicate():
     # cache of 2 | anchor (pos 2) | chain at 3, 4 | candidate at 3, 4
     branch = torch.tensor([[0, 1, 1, 2, 2]])
     positions = torch.tensor([[2, 3, 4, 3, 4]])
-    mask = multiblock.additive_mask(branch, positions, cache_len=2, dtype=torch.float32)[0, 0]
+    predicate = multiblock.multiblock_mask(branch, positions, cache_len=2)
+    mask = additive_mask(predicate, 1, 5, 7, torch.float32, kv_cache_len=2)[0, 0]  # [q, cache + q]
     allowed = (mask == 0).int().tolist()
     assert allowed == [
         [1, 1, 1, 0, 0, 0, 0],
@@ -355,7 +357,7 @@ def test_recipes_validate(name):
 def test_multiblock_rejects_backends_without_custom_masks():
     model = RuleLM(V, lambda token, position: token)
     model.config._attn_implementation = "flash_attention_2"
-    with pytest.raises(ValueError, match="sdpa or eager"):
+    with pytest.raises(ConfigError, match="multi-block decoding passes a 4-D float attention mask"):
         decode({"name": "multiblock"}, model, PROMPT)
     with pytest.raises(ValueError, match="empty prompt"):
         decode({"name": "jacobi"}, model, [])

@@ -84,16 +84,16 @@ from transformers import DynamicCache
 
 from common.constants import METADATA_KEY
 from common.errors import ConfigError
+from common.kv_cache import crop_cache
 from inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device, prefill
 from inference.decoders.sampling import SamplingParams, probs_from_logits
 from inference.isd_metrics import isd_summary
-from masks.core import AttentionSpec, dense_additive_mask, dense_bool_mask
+from masks.core import AttentionSpec, additive_mask, dense_additive_mask, require_dense_attention
 from masks.idlm import X0, XT, idlm_mask
 from models.loading import mask_token_id
 
 MODES = ("greedy", "sample")
 DRAFT_MODES = ("sample", "argmax")
-DENSE_ATTENTION = ("sdpa", "eager")
 
 
 @dataclass
@@ -139,15 +139,6 @@ def resolve_mask_token_id(model, tokenizer) -> int:
     return int(recorded)
 
 
-def check_dense_attention(model, where: str) -> None:
-    impl = getattr(model.config, "_attn_implementation", None)
-    if impl not in DENSE_ATTENTION:
-        raise ConfigError(
-            f"{where} passes a 4-D float attention mask, which needs attn_implementation in {DENSE_ATTENTION}; "
-            f"the model uses {impl!r}: load it with attn_implementation=sdpa"
-        )
-
-
 def step_attention_mask(cache_len: int, n_clean: int, n_masks: int, dtype: torch.dtype, device) -> torch.Tensor:
     """Additive mask ``[1, 1, q, cache_len + q]`` (q = n_clean + n_masks) of one ISD step.
 
@@ -164,14 +155,8 @@ def step_attention_mask(cache_len: int, n_clean: int, n_masks: int, dtype: torch
         "block_ids": (stream == XT).long(),
         "position_ids": torch.arange(n_kv, device=device).unsqueeze(0),
     }
-    training_mask = idlm_mask(**metadata)
-
-    def step_mask(b, h, q_idx, kv_idx):  # query i of the step is key cache_len + i
-        return training_mask(b, h, q_idx + cache_len, kv_idx)
-
-    allowed = dense_bool_mask(step_mask, 1, n_clean + n_masks, n_kv, device)  # [1, q, kv]
-    additive = torch.zeros((1, 1, n_clean + n_masks, n_kv), dtype=dtype, device=device)
-    return additive.masked_fill_(~allowed.unsqueeze(1), torch.finfo(dtype).min)
+    # query i of the step is key cache_len + i
+    return additive_mask(idlm_mask(**metadata), 1, n_clean + n_masks, n_kv, dtype, device, cache_len)
 
 
 def step_forward(model, cache: DynamicCache, clean: Sequence[int], mask_id: int, n_masks: int) -> torch.Tensor:
@@ -226,7 +211,7 @@ class ISDDecoder(PerSampleDecoder):
     def decode_one(self, model, prompt: list[int], eos_token_ids: Collection[int], seed: int) -> DecodeResult:
         if not prompt:
             raise ValueError("ISD decoding needs at least one prompt token (got an empty prompt)")
-        check_dense_attention(model, "ISD decoding")
+        require_dense_attention(model, "ISD decoding")
         stride = resolve_stride(model, self.cfg.stride)
         mask_id = resolve_mask_token_id(model, self.tokenizer)
         device = model_device(model)
@@ -262,8 +247,7 @@ class ISDDecoder(PerSampleDecoder):
                 new_tokens, n_accepted = self._verify(anchors, drafts, draft_probs, generator, stats)
 
                 # 4. Keep the K/V of pending + accepted drafts; drop masks and rejected drafts.
-                drop = cache.get_seq_length() - (cache_len + 1 + n_accepted)
-                cache.crop(-drop)  # transformers 5.x: a negative count of trailing entries to remove
+                crop_cache(cache, cache_len + 1 + n_accepted)
                 if n_accepted == len(drafts):
                     drafts, draft_probs = self._propose(mask_logits, generator)
                 else:
@@ -355,7 +339,7 @@ def introspective_ratios(
         raise ValueError(f"introspective acceptance needs a stride N >= 2, got {stride}")
     if not prompt_ids:
         raise ValueError("introspective acceptance needs at least one prompt token")
-    check_dense_attention(model, "introspective_acceptance")
+    require_dense_attention(model, "introspective_acceptance")
     device = model_device(model)
     n_prompt, n_gen = len(prompt_ids), len(generated_ids)
     clean = torch.tensor(list(prompt_ids) + list(generated_ids), dtype=torch.long)  # [S]

@@ -51,6 +51,7 @@ import torch
 from transformers import DynamicCache
 
 from common.errors import ConfigError
+from common.kv_cache import crop_cache
 from inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device, prefill
 
 DRAFT_INITS = ("context", "repeat")
@@ -99,13 +100,6 @@ def truncate_at_eos(tokens: list[int], eos_token_ids: Collection[int]) -> tuple[
         if tok in eos_token_ids:
             return tokens[: i + 1], True
     return tokens, False
-
-
-def crop_cache(cache: DynamicCache, length: int) -> None:
-    """Drop every KV entry from index ``length`` on."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
 
 
 def prefill_prompt(model, prompt: Sequence[int], device: torch.device) -> DynamicCache:

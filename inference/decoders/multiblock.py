@@ -103,16 +103,10 @@ import torch
 from transformers import DynamicCache
 
 from common.errors import ConfigError
+from common.kv_cache import crop_cache
 from inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device
-from inference.decoders.jacobi import (
-    check_draft_config,
-    converged_prefix,
-    crop_cache,
-    init_draft,
-    prefill_prompt,
-    truncate_at_eos,
-)
-from masks.core import DENSE_BACKENDS, MaskMod, dense_bool_mask
+from inference.decoders.jacobi import check_draft_config, converged_prefix, init_draft, prefill_prompt, truncate_at_eos
+from masks.core import MaskMod, additive_mask, require_dense_attention
 
 ROOT = 0  # branch id of the anchor (seen by every branch)
 CHAIN = 1  # branch id of the blocks' drafts; candidate j (0-based) is CHAIN + 1 + j
@@ -140,24 +134,15 @@ def multiblock_mask(branch: torch.Tensor, position_ids: torch.Tensor, cache_len:
     the anchor (ROOT) or on the query's branch at a position <= the query's.
     """
 
-    def mask_mod(b, h, q_idx, kv_idx):
+    def mask_mod(b, h, q_idx, kv_idx):  # q_idx is the query's key index: cache_len + its input index
         committed = kv_idx < cache_len
         new = (kv_idx - cache_len).clamp(min=0)
+        q_new = q_idx - cache_len
         root = branch[b, new] == ROOT
-        same_branch = (branch[b, new] == branch[b, q_idx]) & (position_ids[b, new] <= position_ids[b, q_idx])
+        same_branch = (branch[b, new] == branch[b, q_new]) & (position_ids[b, new] <= position_ids[b, q_new])
         return committed | root | same_branch
 
     return mask_mod
-
-
-def additive_mask(branch: torch.Tensor, position_ids: torch.Tensor, cache_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """Float additive mask ``[1, 1, q, cache_len + q]`` from :func:`multiblock_mask`."""
-    q_len = branch.shape[1]
-    allowed = dense_bool_mask(
-        multiblock_mask(branch, position_ids, cache_len), 1, q_len, cache_len + q_len, branch.device
-    )  # [1, q, kv]
-    mask = torch.zeros((1, 1, q_len, cache_len + q_len), dtype=dtype, device=branch.device)
-    return mask.masked_fill_(~allowed.unsqueeze(1), torch.finfo(dtype).min)
 
 
 @dataclass
@@ -191,7 +176,10 @@ def forward_branches(
     positions_t = torch.tensor([positions], dtype=torch.long, device=device)  # [1, q]
     branch_t = torch.tensor([branch], dtype=torch.long, device=device)  # [1, q]
     dtype = next(model.parameters()).dtype
-    mask = additive_mask(branch_t, positions_t, cache.get_seq_length(), dtype)  # [1, 1, q, cache + q]
+    cache_len, q_len = cache.get_seq_length(), len(ids)
+    mask = additive_mask(
+        multiblock_mask(branch_t, positions_t, cache_len), 1, q_len, cache_len + q_len, dtype, device, cache_len
+    )  # [1, 1, q, cache + q]
     logits = model(
         input_ids=ids_t, attention_mask=mask, position_ids=positions_t, past_key_values=cache, use_cache=True
     ).logits
@@ -364,19 +352,11 @@ class MultiBlockDecoder(PerSampleDecoder):
         self.spawn_threshold = math.ceil(cfg.spawn_ratio * cfg.block_size)
         self.recycling = cfg.ngram_pool_size > 0 and cfg.verification_size > 0
 
-    def _check_model(self, model) -> None:
-        impl = getattr(model.config, "_attn_implementation", None)
-        if impl not in DENSE_BACKENDS:
-            raise ValueError(
-                f"multiblock decoding passes a custom 4-D float attention mask, which "
-                f"attn_implementation={impl!r} cannot take; load the model with attn_implementation=sdpa or eager"
-            )
-
     @torch.inference_mode()
     def decode_one(self, model, prompt: list[int], eos_token_ids: Collection[int], seed: int) -> DecodeResult:
         if not prompt:
             raise ValueError("multi-block decoding needs at least one prompt token (got an empty prompt)")
-        self._check_model(model)
+        require_dense_attention(model, "multi-block decoding")
         cfg = self.cfg
         device = model_device(model)
         rng = random.Random(seed)
