@@ -37,8 +37,8 @@ from typing import Any, List
 import torch
 from peft import LoraConfig, PeftModel
 
-from common.constants import METADATA_KEY
 from common.errors import ConfigError
+from common.metadata import CheckpointMetadata
 from methods.idlm import IDLMConfig, IDLMMethod
 from models.gated_lora import save_base_and_adapter, wrap_gated_lora
 
@@ -101,7 +101,7 @@ class IDLMLoraMethod(IDLMMethod):
             )
 
     def prepare_model(self, model):
-        if "gated_lora_adapter" in (getattr(model.config, METADATA_KEY, None) or {}):
+        if CheckpointMetadata.of_model(model).gated_lora_adapter is not None:
             raise ConfigError(
                 f"model.path={model.name_or_path} is already a gated-LoRA export (base + adapter/); idlm_lora trains "
                 "a new adapter on a plain base: point model.path at the base (e.g. the AR export)"

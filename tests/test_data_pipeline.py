@@ -209,11 +209,11 @@ def test_missing_mask_token_is_named(tokenizer):
 def test_tokenizer_model_mismatch_is_named(tokenizer):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from common.errors import ConfigError
+    from common.errors import CheckpointError
     from models.loading import check_tokenizer_matches
 
     model = AutoModelForCausalLM.from_config(Qwen3Config(vocab_size=10, hidden_size=16, intermediate_size=32,
                                                          num_hidden_layers=1, num_attention_heads=2,
                                                          num_key_value_heads=1, head_dim=8))
-    with pytest.raises(ConfigError, match=rf"tokenizer has {len(tokenizer)} tokens.*10 rows"):
+    with pytest.raises(CheckpointError, match=rf"tokenizer has {len(tokenizer)} tokens.*10 rows"):
         check_tokenizer_matches(model, tokenizer, "tiny")

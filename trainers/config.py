@@ -16,6 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from common.errors import ConfigError
 from data_pipelines.config import DataConfig
+from models.loading import check_attn_implementation
 
 
 @dataclass
@@ -160,12 +161,12 @@ def _check_values(cfg: DictConfig) -> None:
         "trainer.schedule": ("cosine", "linear", "constant"),
         "logging.backend": ("wandb", "none"),
         "model.dtype": ("auto", "float32", "bfloat16", "float16"),
-        "model.attn_implementation": ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2"),
     }
     for key, allowed in choices.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
             raise ConfigError(f"config key '{key}' = {value!r}; expected one of {allowed}")
+    check_attn_implementation(cfg.model.attn_implementation, "model.attn_implementation")
     if cfg.deepspeed.stage not in (0, 1, 2, 3):
         raise ConfigError(f"config key 'deepspeed.stage' = {cfg.deepspeed.stage}; expected 0, 1, 2 or 3")
     if cfg.model.path is None and cfg.model.config is None:

@@ -23,11 +23,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from common.distributed import DistInfo, all_reduce_mean, any_rank, barrier, init_distributed
+from common.metadata import CheckpointMetadata
 from data_pipelines.sources import load_raw_split
 from data_pipelines.tokenize import tokenize_dataset
 from methods.base import move_batch
 from methods.registry import build_method
-from models.loading import load_model, load_tokenizer, record_metadata, resolve_attn_implementation, resolve_dtype
+from models.loading import load_model, load_tokenizer, resolve_attn_implementation, resolve_dtype
 from trainers.checkpoint import find_resume_dir, load_checkpoint, save_checkpoint
 from trainers.data_order import DataOrder
 from trainers.deepspeed_config import build_deepspeed_config
@@ -83,6 +84,11 @@ def expand_stages(cfg: DictConfig) -> list[DictConfig]:
 
 def run_recipe(cfg: DictConfig) -> StageResult:
     dist_info = init_distributed(single_process_group=True)
+    import deepspeed
+
+    # DeepSpeed's comm layer wraps the group just started (left to itself it would pick its CPU
+    # accelerator's default backend, not the gloo group, and see a world of one).
+    deepspeed.init_distributed(dist_backend="nccl" if dist_info.device.type == "cuda" else "gloo", auto_mpi_discovery=False)
     stages = expand_stages(cfg)
     result = None
     previous_export: Path | None = None
@@ -204,7 +210,7 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo) -> StageResult:
         engine.train()
 
     def export(name: str) -> Path:
-        record_metadata(engine.module, **method.export_metadata())
+        CheckpointMetadata.of_model(engine.module).updated(**method.export_metadata()).write_to(engine.module)
         return export_hf(engine.module, tokenizer, run_dir / name, cfg.deepspeed.stage, dist_info.rank)
 
     # 4. the loop
