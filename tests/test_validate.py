@@ -18,7 +18,7 @@ import scripts.validate  # noqa: F401  (registers the validate_schema config nod
 from common.errors import ConfigError, DataError
 from inference.config import validate_validate_config
 from inference.evaluate import encode_prompt, evaluate, evaluate_model
-from tests.helpers_inference import EVAL_ROWS, save_checkpoint, tiny_model, tiny_tokenizer, write_eval_jsonl
+from tests.conftest import EVAL_ROWS, save_checkpoint, tiny_model, tiny_tokenizer, write_eval_jsonl
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
