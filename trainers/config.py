@@ -259,7 +259,8 @@ def _check_eval_decoder(cfg: DictConfig) -> None:
     try:
         decoder_config(raw)
     except ConfigError as err:
-        raise ConfigError(f"config key 'eval.decoder' = {cfg.eval.decoder!r}: {err}") from None
+        detail = str(err).split("; ", 1)[-1]  # the registry names its own key (decoder.name)
+        raise ConfigError(f"config key 'eval.decoder' = {cfg.eval.decoder!r}: {detail}") from None
 
 
 # Keys a resume may change: they do not alter the trained state or the data order. Everything else
@@ -326,5 +327,5 @@ def check_resume_config(saved_file: Path, cfg: DictConfig, what: str) -> list[st
             f"resuming {what} with changed settings ({saved_file} records what it was trained with): "
             + "; ".join(refused) + ". Restore them to continue, or start a new run (another output_dir, or "
             "trainer.resume=never with trainer.on_existing=archive). Keys that may change on resume: "
-            + ", ".join(SAFE_TO_CHANGE_ON_RESUME))
+            + ", ".join(k + "*" if k.endswith(".") else k for k in SAFE_TO_CHANGE_ON_RESUME))
     return [f"changed on resume of {what} (applied): " + "; ".join(applied)] if applied else []

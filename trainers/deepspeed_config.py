@@ -92,16 +92,14 @@ def build_deepspeed_config(cfg, world_size: int, bf16: bool) -> dict[str, Any]:
 
 
 def _refuse_derived(extra: dict[str, Any]) -> None:
-    for key, instead in DERIVED.items():
-        if key in extra:
-            raise ConfigError(f"config key 'deepspeed.extra.{key}' is derived by the trainer; set {instead} instead")
     zero = extra.get("zero_optimization")
     if zero is not None and not isinstance(zero, dict):
         raise ConfigError(f"config key 'deepspeed.extra.zero_optimization' must be a mapping, got {zero!r}")
-    for key, instead in DERIVED_ZERO.items():
-        if key in (zero or {}):
-            raise ConfigError(f"config key 'deepspeed.extra.zero_optimization.{key}' is derived by the trainer; "
-                              f"set {instead} instead")
+    found = [f"'deepspeed.extra.{key}' (set {instead})" for key, instead in DERIVED.items() if key in extra]
+    found += [f"'deepspeed.extra.zero_optimization.{key}' (set {instead})"
+              for key, instead in DERIVED_ZERO.items() if key in (zero or {})]
+    if found:
+        raise ConfigError("config keys derived by the trainer cannot be set through deepspeed.extra: " + "; ".join(found))
 
 
 class _Recorder(dict):
@@ -164,8 +162,8 @@ def check_deepspeed_config(cfg) -> None:
     try:
         DeepSpeedConfig(_Recorder(config, seen))
     except Exception as err:  # pydantic ValidationError, AssertionError, ValueError ...
-        raise ConfigError(f"config key 'deepspeed.extra': DeepSpeed rejects the config: "
-                          f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
+        detail = " ".join(line.strip() for line in str(err).splitlines() if "errors.pydantic.dev" not in line)
+        raise ConfigError(f"config key 'deepspeed.extra': DeepSpeed rejects the config: {type(err).__name__}: {detail}") from None
     known = seen | _READ_ELSEWHERE
     for key in extra:
         if key not in known:
