@@ -300,3 +300,17 @@ def test_shutil_free_of_leftovers_after_prune(tmp_path):
     shutil.copytree(root / "step-00000002", root / "step-00000001.deleting")
     ckpt.plan_resume(tmp_path, "auto", "refuse")
     assert not list(root.glob("*.deleting"))
+
+
+def test_multi_stage_raised_max_steps(tmp_path):
+    """Finished stages: the last one continues to a raised max_steps; an earlier one refuses
+    (its export already seeded the next stage)."""
+    def stages(a: int, b: int) -> str:
+        return f"recipe.stages=[{{name: a, max_steps: {a}}}, {{name: b, max_steps: {b}}}]"
+
+    assert run_in_process([f"output_dir={tmp_path}", stages(1, 2)]).step == 2
+    with pytest.raises(ConfigError, match=r"stage 0 .*finished at step 1.*later stages"):
+        run_in_process([f"output_dir={tmp_path}", stages(2, 2)])
+    result = run_in_process([f"output_dir={tmp_path}", stages(1, 3)])
+    assert result.status == "finished" and result.step == 3
+    assert _steps(tmp_path / "stages" / "01-b") == [1, 2, 3]
