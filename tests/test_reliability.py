@@ -170,9 +170,8 @@ def test_resave_killed_midway_in_a_real_run_resumes(tmp_path, monkeypatch):
 def test_second_run_in_the_same_directory_is_refused_naming_the_holder(tmp_path):
     import os
 
-    with RunLock(tmp_path):
-        with pytest.raises(CheckpointError) as err:
-            run_in_process([f"output_dir={tmp_path}", "trainer.max_steps=2"])
+    with RunLock(tmp_path), pytest.raises(CheckpointError) as err:
+        run_in_process([f"output_dir={tmp_path}", "trainer.max_steps=2"])
     assert f'"pid": {os.getpid()}' in str(err.value) and str(tmp_path) in str(err.value)
     assert not (tmp_path / "config.yaml").exists()  # the refused run wrote nothing
     assert run_in_process([f"output_dir={tmp_path}", "trainer.max_steps=1"]).status == "finished"  # released

@@ -51,9 +51,10 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -113,7 +114,7 @@ def run_on_main(fn: Callable[[], T], is_main: bool, share_result: bool = True) -
     if is_main:
         try:
             result = fn()
-        except Exception as err:  # re-raised below, on every rank
+        except Exception as err:  # noqa: BLE001 (re-raised below, on every rank)
             error = err
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [(result if share_result else None, error)]

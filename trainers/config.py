@@ -241,7 +241,7 @@ def _check_model_config(cfg: DictConfig) -> None:
     default_keys = set(AutoConfig.for_model(model_type).to_dict())
     try:
         built = AutoConfig.for_model(model_type, **raw).to_dict()
-    except Exception as err:  # transformers validates values with several exception types
+    except Exception as err:  # noqa: BLE001 (transformers validates values with several exception types)
         raise ConfigError(f"config key 'model.config': transformers rejects it: {type(err).__name__}: {err}") from None
     unknown = sorted(k for k in raw if k in built and k not in default_keys)
     if unknown:

@@ -161,7 +161,7 @@ def check_deepspeed_config(cfg) -> None:
     seen: set[str] = set()
     try:
         DeepSpeedConfig(_Recorder(config, seen))
-    except Exception as err:  # pydantic ValidationError, AssertionError, ValueError ...
+    except Exception as err:  # noqa: BLE001 (pydantic ValidationError, AssertionError, ValueError ...)
         detail = " ".join(line.strip() for line in str(err).splitlines() if "errors.pydantic.dev" not in line)
         raise ConfigError(f"config key 'deepspeed.extra': DeepSpeed rejects the config: {type(err).__name__}: {detail}") from None
     known = seen | _READ_ELSEWHERE

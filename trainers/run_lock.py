@@ -16,6 +16,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Self
 
 from common.errors import CheckpointError
 
@@ -27,7 +28,7 @@ class RunLock:
         self.path = Path(output_dir) / LOCK_FILE
         self.fd: int | None = None
 
-    def acquire(self) -> RunLock:
+    def acquire(self) -> Self:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -53,7 +54,7 @@ class RunLock:
         os.close(self.fd)
         self.fd = None
 
-    def __enter__(self) -> RunLock:
+    def __enter__(self) -> Self:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:

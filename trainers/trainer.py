@@ -15,6 +15,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +24,23 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from common.distributed import DistInfo, all_reduce_mean, any_rank, barrier, init_distributed
+from common.errors import ConfigError
 from data_pipelines.sources import load_raw_split
 from data_pipelines.tokenize import tokenize_dataset
 from methods.base import move_batch
 from methods.registry import build_method
 from models.loading import load_model, load_tokenizer, record_metadata, resolve_attn_implementation, resolve_dtype
-from common.errors import ConfigError
-from trainers.checkpoint import (CHECKPOINTS, CONFIG_FILE, clear_prior_state, load_checkpoint, plan_resume,
-                                 read_latest, run_on_main, save_checkpoint, tag_for)
+from trainers.checkpoint import (
+    CHECKPOINTS,
+    CONFIG_FILE,
+    clear_prior_state,
+    load_checkpoint,
+    plan_resume,
+    read_latest,
+    run_on_main,
+    save_checkpoint,
+    tag_for,
+)
 from trainers.config import check_resume_config
 from trainers.data_order import DataOrder
 from trainers.deepspeed_config import build_deepspeed_config
@@ -128,7 +138,7 @@ def _run_stages(stages: list[DictConfig], dist_info: DistInfo) -> StageResult:
         done = _done_step(stage_dir)
         if done is not None and stage_cfg.trainer.resume == "auto":
             what = f"stage {i} ({stage_dir})" if len(stages) > 1 else str(stage_dir)
-            notes = run_on_main(lambda: check_resume_config(stage_dir / CONFIG_FILE, stage_cfg, what), dist_info.is_main)
+            notes = run_on_main(partial(check_resume_config, stage_dir / CONFIG_FILE, stage_cfg, what), dist_info.is_main)
             if dist_info.is_main:
                 for note in notes or []:
                     log.warning(note)
