@@ -22,7 +22,7 @@ lr 2e-4 on the same data). ``lora_alpha`` is not given in the paper; alpha = r (
 Export (``trainers/export.py`` calls ``save_pretrained`` of the trained module): the module the
 trainer sees is :class:`GatedLoraTrainingModule`, whose ``save_pretrained`` writes the layout of
 :func:`models.gated_lora.save_base_and_adapter`: the frozen base with ``<|mask|>`` as a plain HF
-checkpoint (``config.pardec``: recipe, mask_token_id, isd_stride, gated_lora_adapter) and a plain
+checkpoint (its ``CheckpointMetadata``: recipe, mask_token_id, isd_stride, gated_lora_adapter) and a plain
 PEFT adapter in ``adapter/``; :func:`models.gated_lora.load_gated_lora_export` loads both.
 
 References: I-DLM, Introspective Diffusion Language Models, arXiv:2604.11035, §3.2, App. G and H.
