@@ -97,7 +97,7 @@ def run_recipe(cfg: DictConfig) -> StageResult:
             if dist_info.is_main:
                 log.info("stage %d (%s) already finished; skipping", i, stage_dir)
             continue
-        result = train_stage(stage_cfg, dist_info)
+        result = train_stage(stage_cfg, dist_info, stop_dir=Path(cfg.output_dir))
         if result.status != "finished":
             return result
         previous_export = result.export_dir
@@ -132,7 +132,9 @@ def _write_run_files(cfg: DictConfig, ds_config: dict, run_dir: Path) -> None:
     (run_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2))
 
 
-def train_stage(cfg: DictConfig, dist_info: DistInfo) -> StageResult:
+def train_stage(cfg: DictConfig, dist_info: DistInfo, stop_dir: Path | None = None) -> StageResult:
+    """Train one stage in ``cfg.output_dir``. Besides that directory's stop file, the one in ``stop_dir`` (the
+    recipe's output directory, where ``scripts/slurm/train.sbatch`` creates it) stops the stage."""
     import deepspeed
 
     run_dir = Path(cfg.output_dir)
@@ -182,7 +184,7 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo) -> StageResult:
                       dist_info.world_size, dist_info.rank, cfg.trainer.seed)
     logger = MetricsLogger(cfg.logging, run_dir, dist_info.is_main, cfg.trainer.max_steps, start_step,
                            state.get("wandb_run_id"), OmegaConf.to_container(cfg, resolve=True))
-    watch = PreemptionWatch(run_dir)
+    watch = PreemptionWatch(run_dir, stop_dir or run_dir)
     ckpt_root = run_dir / "checkpoints"
 
     def checkpoint(step: int) -> None:
@@ -245,10 +247,13 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo) -> StageResult:
         if any_rank(watch.requested()):
             checkpoint(step)
             if dist_info.is_main:
-                (run_dir / PREEMPTED_MARKER).write_text(f"step {step}: {watch.reason()}\n")
-                log.warning("preemption (%s): checkpointed at step %d, exiting", watch.reason(), step)
+                reason = watch.reason()
+                (run_dir / PREEMPTED_MARKER).write_text(f"step {step}: {reason}\n")
+                watch.consume()
+                log.warning("preemption (%s): checkpointed at step %d, exiting", reason, step)
             logger.close()
             watch.close()
+            barrier()  # no rank exits (its launcher would stop the others) before rank 0 has finished
             return StageResult("preempted", step, None, time.perf_counter() - loop_start)
         if cfg.trainer.stop_after_steps is not None and steps_this_process >= cfg.trainer.stop_after_steps \
                 and step < cfg.trainer.max_steps:
