@@ -8,8 +8,8 @@ import sys
 
 import torch
 
-import trainers.trainer as trainer
 from tests.train_utils import FAST, REPO, exported_weights, run_in_process
+from trainers import trainer
 from trainers.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER, STOP_FILE
 
 STAGES = "recipe.stages=[{name: a, max_steps: 2}, {name: b, max_steps: 4}]"
@@ -65,7 +65,7 @@ def _env() -> dict[str, str]:
 def test_preempted_train_exits_with_the_preempted_code(tmp_path):
     (tmp_path / STOP_FILE).write_text("")
     cmd = [sys.executable, "-m", "scripts.train", *FAST, f"output_dir={tmp_path}", "trainer.max_steps=3"]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, check=False, timeout=300)
     assert proc.returncode == PREEMPTED_EXIT_CODE, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "training preempted at step 1" in proc.stdout
     assert not (tmp_path / STOP_FILE).exists()
@@ -75,7 +75,7 @@ def test_launcher_exits_with_the_workers_exit_code(tmp_path):
     """torchrun exits 1 whenever a worker fails; scripts.launch passes the workers' code on (75 = preempted)."""
     cmd = [sys.executable, "-m", "scripts.launch", "--standalone", "--nproc_per_node", "2", "--no-python",
            "sh", "-c", f"exit {PREEMPTED_EXIT_CODE}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, check=False, timeout=120)
     assert proc.returncode == PREEMPTED_EXIT_CODE, proc.stderr[-2000:]
-    ok = subprocess.run(cmd[:-1] + ["exit 0"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    ok = subprocess.run(cmd[:-1] + ["exit 0"], cwd=tmp_path, env=_env(), capture_output=True, text=True, check=False, timeout=120)
     assert ok.returncode == 0, ok.stderr[-2000:]

@@ -41,14 +41,14 @@ def slurm(tmp_path_factory):
                SLURM_GPUS_ON_NODE="8")
     env.pop("PARDEC_NPROC_PER_NODE", None)
     try:
-        start = subprocess.run(["bash", str(CLUSTER), "start", str(state)], capture_output=True, text=True,
+        start = subprocess.run(["bash", str(CLUSTER), "start", str(state)], capture_output=True, text=True, check=False,
                                timeout=900, stdin=subprocess.DEVNULL)
         if start.returncode == UNAVAILABLE:
             pytest.skip(f"no local Slurm cluster: {start.stderr.strip().splitlines()[-1]}")
         assert start.returncode == 0, f"local_cluster.sh start failed:\n{start.stdout}\n{start.stderr}"
         yield env
     finally:
-        stop = subprocess.run(["bash", str(CLUSTER), "stop", str(state)], capture_output=True, text=True, timeout=120)
+        stop = subprocess.run(["bash", str(CLUSTER), "stop", str(state)], capture_output=True, text=True, check=False, timeout=120)
         assert stop.returncode == 0, f"local_cluster.sh stop failed:\n{stop.stdout}\n{stop.stderr}"
 
 
@@ -57,13 +57,13 @@ def sbatch(env: dict, workdir: Path, template: str, args: list[str], options: li
     """Submit from the repository root, as the templates require; the job log lands in ``workdir``."""
     cmd = ["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=1", "--time=10", f"--chdir={workdir}",
            *options, str(REPO / "scripts" / "slurm" / template), *args]
-    proc = subprocess.run(cmd, cwd=REPO, env={**env, **(extra_env or {})}, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(cmd, cwd=REPO, env={**env, **(extra_env or {})}, capture_output=True, text=True, check=False, timeout=60)
     assert proc.returncode == 0, f"sbatch failed: {proc.stderr}"
     return proc.stdout.strip().split(";")[0]
 
 
 def job_info(env: dict, job: str) -> dict[str, str]:
-    out = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True, timeout=30).stdout
+    out = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True, check=False, timeout=30).stdout
     return dict(re.findall(r"(\w+)=(\S*)", out))
 
 
@@ -84,7 +84,7 @@ def wait_for(env: dict, job: str, states: set[str], timeout: float = JOB_TIMEOUT
         if info.get("JobState") in {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}:
             break
         if release_requeued and info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime":
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, timeout=30)
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=False, timeout=30)
         time.sleep(0.5)
     raise AssertionError(f"job {job}: {info.get('JobState')} (wanted {sorted(states)}), "
                          f"exit {info.get('ExitCode')}; log:\n{log_of(env, job)[-6000:]}")
@@ -111,7 +111,7 @@ def test_train_sbatch_preempted_in_second_stage_requeues_and_resumes_exactly(slu
 
     info = wait_for(slurm, job, {"COMPLETED"}, release_requeued=True)
     log = log_of(slurm, job)
-    assert info["Restarts"] == "1", log[-6000:]
+    assert info["Restarts"] == "1", f"expected one requeue, got {info['Restarts']}; log:\n{log[-6000:]}"
     # one log for both runs (--open-mode=append): the preempted run's lines survive the requeue
     assert "restart 0" in log and "restart 1" in log, log[-6000:]
     preempted = re.search(r"training preempted at step (\d+)", log)
@@ -154,3 +154,15 @@ def test_validate_and_collect_sbatch_complete(slurm, straight, tmp_path):
     from data_pipelines.jacobi_trajectories import load_trajectories
 
     assert len(load_trajectories(tmp_path / "traj" / "trajectories")) == 4
+
+
+def test_train_sbatch_signal_before_training_requeues(slurm, tmp_path):
+    """A USR1 in the first moments of the job (while the batch shell resolves the config) requeues it
+    instead of killing the shell; the requeued job trains to the end."""
+    job = sbatch(slurm, tmp_path, "train.sbatch", [*FAST, "trainer.max_steps=2", f"output_dir={tmp_path / 'run'}"])
+    wait_for(slurm, job, {"RUNNING"})
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True, timeout=30)
+    info = wait_for(slurm, job, {"COMPLETED"}, release_requeued=True)
+    log = log_of(slurm, job)
+    assert info["Restarts"] == "1" and "restart 1" in log, log[-6000:]
+    assert "training finished at step 2" in log, log[-6000:]
