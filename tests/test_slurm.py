@@ -117,7 +117,7 @@ def test_train_sbatch_preempted_in_second_stage_requeues_and_resumes_exactly(slu
     preempted = re.search(r"training preempted at step (\d+)", log)
     assert preempted and 1 <= int(preempted.group(1)) < 400, log[-6000:]
     assert f"stop file {run / STOP_FILE}" in log  # the root STOP that train.sbatch touched, honoured by stage b
-    assert "requeueing job" in log and "already finished; skipping" in log
+    assert "requeueing job" in log and re.search(r"already finished at step \d+; skipping", log)
     assert "training finished at step 400" in log and "exited with status 0" in log
     assert "1 process(es) per node" in log  # SLURM_GPUS_ON_NODE=8 from the submitting shell did not leak
     assert not (run / STOP_FILE).exists() and not (run / "stages" / "01-b" / PREEMPTED_MARKER).exists()
