@@ -44,6 +44,12 @@ class Method(ABC):
         """Examples the collator consumes. Default: the tokenised dataset as is."""
         return tokenized
 
+    @property
+    def trains_on_responses(self) -> bool:
+        """True when the loss targets are the responses' tokens: a training set whose every
+        response is empty (EOS-only targets) is then refused by ``tokenize_dataset``."""
+        return True
+
     @abstractmethod
     def collate(self, examples: list[dict]) -> dict[str, Any]:
         """Batch dict: ``input_ids``/``position_ids`` ``[b, s]``, labels, ``attention`` spec."""

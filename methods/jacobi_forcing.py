@@ -142,6 +142,10 @@ class JacobiForcingMethod(Method):
             greedy_atol=self.cfg.greedy_atol,
         )
 
+    @property
+    def trains_on_responses(self) -> bool:
+        return False  # prompts only: the targets are the model's own trajectories
+
     def collect_prompts(self, tokenized) -> list[list[int]]:
         """The prompt ids to collect from: tokenised training rows [prompt_start, prompt_start + num_prompts)."""
         prompts = [ids[:p] for ids, p in zip(tokenized["input_ids"], tokenized["prompt_len"])]

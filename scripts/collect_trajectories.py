@@ -50,7 +50,8 @@ def collect(cfg: DictConfig) -> Path:
     method = build_method(cfg.recipe, tokenizer)
     if not dist_info.is_main:
         barrier()
-    tokenized = tokenize_dataset(load_raw_split(cfg.data, "train"), tokenizer, cfg.data, "train")
+    tokenized = tokenize_dataset(load_raw_split(cfg.data, "train"), tokenizer, cfg.data, "train",
+                                 method.trains_on_responses)
     if dist_info.is_main:
         barrier()
     attn = resolve_attn_implementation(cfg.model.attn_implementation, on_gpu, needs_custom_mask=False)

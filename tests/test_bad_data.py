@@ -12,6 +12,7 @@ each on tiny inputs and deterministic.
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import datasets
@@ -19,11 +20,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from common.errors import DataError
+from common.errors import ConfigError, DataError
 from data_pipelines.config import DataConfig
 from data_pipelines.sources import load_raw_split
 from data_pipelines.synthetic_gsm import SyntheticGSMConfig
 from data_pipelines.synthetic_tokenizer import build_synthetic_tokenizer
+from data_pipelines.tokenize import tokenize_dataset
+from methods.ar import ARConfig, ARMethod
+from methods.jacobi_forcing import JacobiForcingConfig, JacobiForcingMethod
 from trainers.config import ModelConfig
 
 torch.set_num_threads(1)
@@ -96,3 +100,50 @@ def test_bad_parquet_columns_and_second_file_are_named(tmp_path):
     ok = write_jsonl(tmp_path / "c.jsonl", [{"prompt": "", "response": ""}])
     ds = load_raw_split(data_cfg(source="files", train_files=[str(first), str(ok)]), "train")
     assert ds["prompt"] == [GOOD["prompt"]] * 3 + [""]
+
+
+# ---- 2. empty responses ----------------------------------------------------------------------
+
+def test_empty_responses_are_counted_and_all_empty_is_refused(tokenizer, caplog):
+    some = raw(["Question: Tom has 3 apples."] * 3, [" Tom has 3 apples.", "", "\n"])
+    with caplog.at_level(logging.WARNING, logger="data_pipelines.tokenize"):
+        out = tokenize_dataset(some, tokenizer, data_cfg())
+    assert len(out) == 3
+    assert "2 of 3 train responses are empty (first: row 1" in caplog.text
+    none = raw(["Question: Tom has 3 apples."] * 2, ["", "\n"])
+    with pytest.raises(DataError, match=r"every train response is empty \(2 rows, config key 'data.response_field'"):
+        tokenize_dataset(none, tokenizer, data_cfg())
+    # Methods whose targets are not the responses only get the warning.
+    assert len(tokenize_dataset(none, tokenizer, data_cfg(), require_responses=False)) == 2
+    assert ARMethod(OmegaConf.structured(ARConfig), tokenizer).trains_on_responses
+    assert not ARMethod(OmegaConf.structured(ARConfig(train_on="all")), tokenizer).trains_on_responses
+    jacobi = JacobiForcingMethod(OmegaConf.structured(JacobiForcingConfig(collect_dir="unused")), tokenizer)
+    assert not jacobi.trains_on_responses
+
+
+# ---- 3. unknown-token rate ---------------------------------------------------------------------
+
+def test_unknown_token_rate_is_logged_and_limited(tokenizer, caplog):
+    ascii_row = ("Question: Tom has 3 apples.", " Tom has 3 apples.")
+    german = ("Frage: Jürgen hat 3 Äpfel.", " Jürgen hat 3 Äpfel.")
+    ds = raw([ascii_row[0], german[0]], [ascii_row[1], german[1]])
+    unk = tokenizer.unk_token_id
+    unchecked = tokenize_dataset(ds, tokenizer, data_cfg(max_unk_rate=None))
+    total = sum(unchecked["length"])  # every token of the split, EOS included
+    n_unk = sum(t == unk for ids in unchecked["input_ids"] for t in ids)
+    assert n_unk > 0.2 * total
+    with pytest.raises(DataError) as err:
+        tokenize_dataset(ds, tokenizer, data_cfg())
+    message = str(err.value)
+    assert message.startswith(f"train: {100 * n_unk / total:.2f}% of the tokens ({n_unk} of {total})")
+    assert "first in row 1: 'Frage' in the prompt" in message and "data.max_unk_rate=0.01" in message
+    # Under the threshold (or with the check off) the rate is still reported.
+    with caplog.at_level(logging.INFO, logger="data_pipelines.tokenize"):
+        assert len(tokenize_dataset(ds, tokenizer, data_cfg(max_unk_rate=None))) == 2
+    assert f"train: {n_unk} of {total} tokens" in caplog.text and "first in row 1" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="data_pipelines.tokenize"):
+        tokenize_dataset(raw([ascii_row[0]], [ascii_row[1]]), tokenizer, data_cfg(), split="eval")
+    assert "eval: 0 of " in caplog.text
+    with pytest.raises(ConfigError, match="data.max_unk_rate"):
+        tokenize_dataset(ds, tokenizer, data_cfg(max_unk_rate=2.0))

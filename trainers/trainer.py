@@ -156,7 +156,8 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo) -> StageResult:
     attn_impl = resolve_attn_implementation(cfg.model.attn_implementation, on_gpu, method.needs_custom_mask)
     if not dist_info.is_main:
         barrier()
-    tokenized = tokenize_dataset(load_raw_split(cfg.data, "train"), tokenizer, cfg.data, "train")
+    tokenized = tokenize_dataset(load_raw_split(cfg.data, "train"), tokenizer, cfg.data, "train",
+                                 method.trains_on_responses)
     if dist_info.is_main:
         barrier()
 
