@@ -20,14 +20,19 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from common.errors import ConfigError, DataError
+from common.errors import CheckpointError, ConfigError, DataError
 from data_pipelines.config import DataConfig
 from data_pipelines.sources import load_raw_split
 from data_pipelines.synthetic_gsm import SyntheticGSMConfig
 from data_pipelines.synthetic_tokenizer import build_synthetic_tokenizer
 from data_pipelines.tokenize import tokenize_dataset
+from inference.checkpoint import load_checkpoint
 from methods.ar import ARConfig, ARMethod
+from methods.idlm import IDLMConfig, IDLMMethod
 from methods.jacobi_forcing import JacobiForcingConfig, JacobiForcingMethod
+from models.loading import check_max_positions, load_model, load_tokenizer
+from tests.helpers_inference import save_checkpoint, tiny_model, tiny_tokenizer
+from tests.train_utils import run_in_process
 from trainers.config import ModelConfig
 
 torch.set_num_threads(1)
@@ -147,3 +152,62 @@ def test_unknown_token_rate_is_logged_and_limited(tokenizer, caplog):
     assert "eval: 0 of " in caplog.text
     with pytest.raises(ConfigError, match="data.max_unk_rate"):
         tokenize_dataset(ds, tokenizer, data_cfg(max_unk_rate=2.0))
+
+
+# ---- 4. positions beyond the base model's max_position_embeddings -------------------------------
+
+def test_positions_beyond_the_model_are_refused_at_start(tmp_path, tokenizer):
+    # The trainer refuses before tokenising or loading weights: max_length 2048 on a 512-position base.
+    with pytest.raises(ConfigError, match=r"data.max_length=2048 .* up to 2047, but "
+                                          r"model.config.max_position_embeddings = 512"):
+        run_in_process([f"output_dir={tmp_path / 'run'}", "data.max_length=2048",
+                        "model.config.max_position_embeddings=512"])
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    # Positions, not slots: packed AR rows and I-DLM's [x_t | x_0] rows of 2L slots use positions < L.
+    long_sample = tokenize_dataset(raw(["Question: Tom has 3 apples."], [" Tom has 3 apples."]), tokenizer, data_cfg())
+    length = long_sample[0]["length"]
+    cfg = data_cfg(max_length=length, pack_length=2 * length)
+    ar = ARMethod(OmegaConf.structured(ARConfig), tokenizer)
+    ar_rows = ar.build_train_dataset(datasets.concatenate_datasets([long_sample] * 2), cfg)
+    assert max(max(r["position_ids"]) for r in ar_rows) + 1 == length == ar.max_positions(cfg)[0]
+    idlm = IDLMMethod(OmegaConf.structured(IDLMConfig), tokenizer)
+    idlm.mask_token_id = len(tokenizer)  # an id the samples do not contain (no model needed to collate)
+    idlm.build_train_dataset(long_sample, cfg)
+    batch = idlm.collate([long_sample[0]])
+    assert batch["input_ids"].shape[1] == 2 * length
+    assert int(batch["position_ids"].max()) + 1 == length == idlm.max_positions(cfg)[0]
+    # Jacobi Forcing: a prompt (< max_length) and whole blocks of max_new_tokens; read from model.path.
+    ck = save_checkpoint(tmp_path / "ck")  # max_position_embeddings=256
+    jacobi = JacobiForcingMethod(
+        OmegaConf.structured(JacobiForcingConfig(collect_dir="unused", block_size=16, max_new_tokens=40)), tokenizer
+    )
+    assert jacobi.max_positions(data_cfg(max_length=100))[0] == 99 + 48
+    check_max_positions(model_cfg(path=str(ck)), *jacobi.max_positions(data_cfg(max_length=100)))
+    with pytest.raises(ConfigError, match=rf"recipe.max_new_tokens=40 .* up to 256, but max_position_embeddings of "
+                                          rf"{re.escape(str(ck / 'config.json'))} = 256"):
+        check_max_positions(model_cfg(path=str(ck)), *jacobi.max_positions(data_cfg(max_length=210)))
+    # A RoPE scaling extends the limit by its factor.
+    scaled = {"model_type": "qwen3", "max_position_embeddings": 512,
+              "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}}
+    check_max_positions(model_cfg(config=scaled), 2048, "data.max_length=2048")
+
+
+# ---- 5. checkpoint directories: tokenizer files, truncated weights -------------------------------
+
+def test_checkpoint_without_tokenizer_or_with_truncated_weights_is_named(tmp_path, tokenizer):
+    bare = tmp_path / "bare"
+    tiny_model(len(tiny_tokenizer())).save_pretrained(bare)  # weights and config.json, no tokenizer
+    expected = rf"no tokenizer files in {re.escape(str(bare))}: expected one of \['tokenizer.json'"
+    with pytest.raises(CheckpointError, match=expected):
+        load_checkpoint(bare)  # validation
+    with pytest.raises(CheckpointError, match=rf"model.path={re.escape(str(bare))}: {expected}"):
+        load_tokenizer(model_cfg(path=str(bare)), data_cfg())  # training
+    # Truncated weights as model.path: named at start (position check) and by load_model.
+    ck = save_checkpoint(tmp_path / "ck")
+    weights = ck / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])
+    named = rf"model.path={re.escape(str(ck))}: corrupt or truncated weights file {re.escape(str(weights))}"
+    with pytest.raises(CheckpointError, match=named):
+        check_max_positions(model_cfg(path=str(ck)), 8, "data.max_length=8")
+    with pytest.raises(CheckpointError, match=named):
+        load_model(model_cfg(path=str(ck)), tiny_tokenizer(), torch.float32, "sdpa")
