@@ -22,7 +22,8 @@ Checks on the split's content (:func:`check_responses`, :func:`check_unknown_rat
 * the unknown-token rate (tokens equal to the tokenizer's unk id, over all tokens of the split,
   before the length policy) is logged per split, and above ``data.max_unk_rate`` the split is
   refused naming the rate, a row and the unknown text. Tokenizers without an unk token (byte-level
-  BPE) are not counted.
+  BPE) are not counted. ``scripts/validate.py`` checks its eval split's prompts the same way
+  (:func:`check_prompt_unknown_rate`).
 """
 
 from __future__ import annotations
@@ -135,6 +136,20 @@ def check_unknown_rate(tokenized: datasets.Dataset, raw: datasets.Dataset, token
         )
     log.warning("%s: %d unknown tokens %r (%s); data.max_unk_rate=%s", split, n_unk, tokenizer.unk_token, where, max_rate)
     return rate
+
+
+def check_prompt_unknown_rate(raw: datasets.Dataset, tokenizer, data_cfg, split: str = "eval"):
+    """:func:`check_unknown_rate` of the prompts alone, formatted as decoding sees them (an eval
+    split: only its prompts are encoded). Skipped (None) for ``chat`` without a chat template,
+    which evaluation refuses by name."""
+    if data_cfg.template == "chat" and not tokenizer.chat_template:
+        return None
+    prompts = raw.map(
+        lambda row: {"input_ids": format_prompt_ids(tokenizer, row["prompt"], data_cfg.template)},
+        remove_columns=raw.column_names,
+        desc=f"encode {split} prompts",
+    )
+    return check_unknown_rate(prompts, raw, tokenizer, data_cfg, split)
 
 
 def _unknown_text(tokenizer, row, unk: int) -> str:

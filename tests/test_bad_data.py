@@ -25,7 +25,7 @@ from data_pipelines.config import DataConfig
 from data_pipelines.sources import load_raw_split
 from data_pipelines.synthetic_gsm import SyntheticGSMConfig
 from data_pipelines.synthetic_tokenizer import build_synthetic_tokenizer
-from data_pipelines.tokenize import tokenize_dataset
+from data_pipelines.tokenize import check_prompt_unknown_rate, tokenize_dataset
 from inference.checkpoint import load_checkpoint
 from methods.ar import ARConfig, ARMethod
 from methods.idlm import IDLMConfig, IDLMMethod
@@ -152,6 +152,9 @@ def test_unknown_token_rate_is_logged_and_limited(tokenizer, caplog):
     assert "eval: 0 of " in caplog.text
     with pytest.raises(ConfigError, match="data.max_unk_rate"):
         tokenize_dataset(ds, tokenizer, data_cfg(max_unk_rate=2.0))
+    # Validation's eval split: its prompts, as decoding encodes them.
+    with pytest.raises(DataError, match=r"^eval: .*first in row 1: 'Frage' in the prompt.*data.max_unk_rate=0.01"):
+        check_prompt_unknown_rate(ds, tokenizer, data_cfg())
 
 
 # ---- 4. positions beyond the base model's max_position_embeddings -------------------------------
