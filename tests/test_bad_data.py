@@ -31,7 +31,7 @@ from methods.ar import ARConfig, ARMethod
 from methods.idlm import IDLMConfig, IDLMMethod
 from methods.jacobi_forcing import JacobiForcingConfig, JacobiForcingMethod
 from models.loading import check_max_positions, load_model, load_tokenizer
-from tests.helpers_inference import save_checkpoint, tiny_model, tiny_tokenizer
+from tests.conftest import save_checkpoint, tiny_model, tiny_tokenizer
 from tests.train_utils import run_in_process
 from trainers.config import ModelConfig
 
