@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch.utils.hooks import RemovableHandle
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.errors import CheckpointError
@@ -67,7 +68,7 @@ def load_checkpoint(
     return model.to(torch_device).eval(), tokenizer
 
 
-def forbid_output_token(model, token_id: int) -> None:
+def forbid_output_token(model, token_id: int) -> RemovableHandle:
     """Never let a decoder emit ``token_id`` (a converted model's ``<|mask|>``): its logit is set
     to -inf in every forward's output.
 
@@ -82,7 +83,7 @@ def forbid_output_token(model, token_id: int) -> None:
         output.logits[..., token_id] = float("-inf")
         return output
 
-    model.register_forward_hook(hook)
+    return model.register_forward_hook(hook)
 
 
 def check_checkpoint_files(path: Path) -> None:

@@ -29,7 +29,9 @@ from tqdm import tqdm
 
 from common.distributed import DistInfo, current
 from common.errors import DataError
+from common.metadata import CheckpointMetadata
 from data_pipelines.tokenize import format_prompt_ids
+from inference.checkpoint import forbid_output_token
 from inference.decoders.ar import ARDecoder, ARDecoderConfig
 from inference.decoders.base import Decoder, DecoderConfig
 from inference.decoders.registry import build_decoder
@@ -45,8 +47,19 @@ class EvalResult:
 
 
 def evaluate_model(model, tokenizer, eval_dataset: datasets.Dataset, decoder_cfg, **kwargs) -> dict[str, Any]:
-    """Metrics only (same on every rank); keyword arguments as for :func:`evaluate`."""
-    return evaluate(model, tokenizer, eval_dataset, decoder_cfg, **kwargs).metrics
+    """Metrics only (same on every rank); keyword arguments as for :func:`evaluate`.
+
+    A model being converted has ``<|mask|>`` in its vocabulary (recorded in its metadata) but is
+    not loaded through ``load_checkpoint``; as an exported checkpoint would, it never emits it here:
+    the token's logit is forbidden for the evaluation only (the training forwards are untouched).
+    """
+    mask_id = CheckpointMetadata.of_model(model).mask_token_id
+    handle = forbid_output_token(model, mask_id) if mask_id is not None else None
+    try:
+        return evaluate(model, tokenizer, eval_dataset, decoder_cfg, **kwargs).metrics
+    finally:
+        if handle is not None:
+            handle.remove()
 
 
 def evaluate(

@@ -15,6 +15,8 @@ N - 1 for stride N); the difference is what trains (SPEC §1, "R-ISD with gated 
   positions, so L_clean has no gradient w.r.t. the LoRA: the recipe trains on L_mask alone, which
   is exactly the inherited I-DLM loss with a fixed ``alpha`` = 0 (``recipe.alpha`` must stay 0);
   L_clean (the base's own AR loss on the answers, constant up to the data) is still logged.
+  ``recipe.supervise_last_prompt_slot`` (inherited) changes no gradient here: that x_t slot is a
+  clean input (gate 0), so it only adds a constant to the logged L_mask (same denominator).
 
 Defaults follow the paper's lossless configuration (Table 7: stride N = 3, LoRA r = 128; App. H:
 lr 2e-4 on the same data). ``lora_alpha`` is not given in the paper; alpha = r (scale 1) here.
@@ -22,7 +24,7 @@ lr 2e-4 on the same data). ``lora_alpha`` is not given in the paper; alpha = r (
 Export (``trainers/export.py`` calls ``save_pretrained`` of the trained module): the module the
 trainer sees is :class:`GatedLoraTrainingModule`, whose ``save_pretrained`` writes the layout of
 :func:`models.gated_lora.save_base_and_adapter`: the frozen base with ``<|mask|>`` as a plain HF
-checkpoint (``config.pardec``: recipe, mask_token_id, isd_stride, gated_lora_adapter) and a plain
+checkpoint (its ``CheckpointMetadata``: recipe, mask_token_id, isd_stride, gated_lora_adapter) and a plain
 PEFT adapter in ``adapter/``; :func:`models.gated_lora.load_gated_lora_export` loads both.
 
 References: I-DLM, Introspective Diffusion Language Models, arXiv:2604.11035, §3.2, App. G and H.

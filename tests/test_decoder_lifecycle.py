@@ -21,7 +21,7 @@ from inference.decoders.ar import ARDecoder, ARDecoderConfig
 from inference.decoders.jacobi import JacobiDecoder, JacobiDecoderConfig
 from inference.evaluate import evaluate
 from models.loading import check_attn_implementation
-from tests.helpers_inference import EVAL_ROWS, tiny_model, tiny_tokenizer
+from tests.conftest import EVAL_ROWS, tiny_model, tiny_tokenizer
 
 SWAPPED = "pardec_test_reversed_keys"
 
