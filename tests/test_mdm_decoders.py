@@ -17,7 +17,7 @@ from common.errors import CheckpointError, ConfigError
 from inference.decoders.ar import ARDecoder, ARDecoderConfig
 from inference.decoders.registry import build_decoder
 from inference.evaluate import evaluate
-from tests.helpers_inference import EVAL_ROWS, tiny_model, tiny_tokenizer
+from tests.conftest import EVAL_ROWS, tiny_model, tiny_tokenizer
 
 torch.set_num_threads(1)
 
