@@ -24,6 +24,7 @@ _DECODERS = {
     "mdm_lowconf": "inference.decoders.mdm_lowconf:MDMLowConfDecoder:MDMLowConfConfig",
     "mdm_threshold": "inference.decoders.mdm_threshold:MDMThresholdDecoder:MDMThresholdConfig",
     "mdm_guided": "inference.decoders.mdm_guided:MDMGuidedDecoder:MDMGuidedConfig",
+    "cover": "inference.decoders.cover:CoverDecoder:CoverConfig",
 }
 
 
