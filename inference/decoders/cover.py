@@ -20,6 +20,12 @@ forward (no cache: each step is one full forward with the explicit bidirectional
    ablation): the same masked input with no cache injection, so every query sees mask K/V at the
    seeds. The cache is literally the previous forward's K/V (paper §5.1): a seed drafted in the
    previous step was a mask in that forward, so its cached K/V are mask-derived.
+   *Under the logit shift the drafting view is not exactly stable beyond the first layer:* seed
+   i's verifying row is i - 1, a non-seed position, and its leave-one-out hidden state produces
+   its own (not overridden) K/V, which every query reads in the next layer. Without a shift (the
+   paper's LLaDA) the verifying row is the seed itself, whose column is overridden, so no such leak
+   exists. Removing it would need the column i - 1 overridden too (a second corrected column per
+   verifying row); not done here (tests: the identity holds for a one-layer model).
 2. *Draft*: among the block's masked positions (not the seeds), those with confidence (softmax
    probability of the argmax) > ``draft_threshold``, at most ``draft_budget`` (the most confident),
    and the most confident one always **(choice: SPEC's "always top-1", so every step progresses)**.
@@ -95,7 +101,7 @@ def draft(conf: torch.Tensor, masked: torch.Tensor, threshold: float, budget: in
     c = conf.float().masked_fill(~masked, float("-inf"))  # [B]
     over = (c > threshold).nonzero().flatten()  # [k]
     if over.numel() > budget:
-        over = over[torch.topk(c[over], budget).indices]
+        over = over[torch.sort(c[over], descending=True, stable=True).indices[:budget]]
     chosen = set(over.tolist()) | {int(c.argmax())}
     return sorted(chosen)
 
@@ -144,22 +150,24 @@ def seed_scores(u: torch.Tensor, d_in: torch.Tensor, d_out: torch.Tensor) -> tor
 
 
 def seed_count(pool_scores: torch.Tensor) -> int:
-    """``ceil(sqrt(n * pi))``, pi = fraction of the n pool scores above their mean."""
-    n = pool_scores.numel()
-    if n == 0:
+    """``ceil(sqrt(n * pi))`` with pi the fraction of the n pool scores above their mean, i.e. the
+    ceiling of the square root of the number m of scores above the mean."""
+    if pool_scores.numel() == 0:
         return 0
-    pi = float((pool_scores > pool_scores.mean()).float().mean())
-    return math.ceil(math.sqrt(n * pi) - 1e-9)
+    m = int((pool_scores > pool_scores.mean()).sum())
+    root = math.isqrt(m)
+    return root + (root * root < m)
 
 
 def select_seeds(scores: torch.Tensor, pool: torch.Tensor, eligible: torch.Tensor) -> list[int]:
     """Indices of the next seeds: the count from the whole pool's scores, the top-scoring among
-    ``pool & eligible`` (``scores``, ``pool``, ``eligible`` [n])."""
-    k = min(seed_count(scores[pool]), int((pool & eligible).sum()))
+    ``pool & eligible`` (``scores``, ``pool``, ``eligible`` [n]; ties go to the lower index)."""
+    candidates = pool & eligible
+    k = min(seed_count(scores[pool]), int(candidates.sum()))
     if k == 0:
         return []
-    masked_scores = scores.float().masked_fill(~(pool & eligible), float("-inf"))
-    return sorted(torch.topk(masked_scores, k).indices.tolist())
+    ranked = torch.sort(scores.float().masked_fill(~candidates, float("-inf")), descending=True, stable=True).indices
+    return sorted(ranked[:k].tolist())
 
 
 class RevisionLog:
