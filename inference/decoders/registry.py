@@ -25,6 +25,7 @@ _DECODERS = {
     "mdm_threshold": "inference.decoders.mdm_threshold:MDMThresholdDecoder:MDMThresholdConfig",
     "mdm_guided": "inference.decoders.mdm_guided:MDMGuidedDecoder:MDMGuidedConfig",
     "cover": "inference.decoders.cover:CoverDecoder:CoverConfig",
+    "wino": "inference.decoders.wino:WinoDecoder:WinoConfig",
 }
 
 
