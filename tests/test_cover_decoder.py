@@ -337,6 +337,7 @@ def test_full_decode_gives_valid_outputs(override, attention):
             assert st["revisions"] == st["remasks"] + st["replaces"]
             assert 0 <= st["effective_revisions"] <= st["revisions"] and st["flip_flops"] <= st["remasks"]
             assert st["tokens_per_step"] == pytest.approx(L / result.forwards)
+            assert 0 <= st["fresh_seeds"] <= st["seeds"] and st["revisions"] <= st["seeds"]
             stats_seen.append({"stats": st, "committed": result.committed})
     summary = decoder.summarize(stats_seen)
     assert summary["steps_per_sample"] == pytest.approx(sum(r["stats"]["steps"] for r in stats_seen) / len(stats_seen))

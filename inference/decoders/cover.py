@@ -54,7 +54,9 @@ forward (no cache: each step is one full forward with the explicit bidirectional
 ``effective_revisions`` (revisions whose position ends with a token different from the one the
 revision removed; **(choice)** the paper counts every Replace as effective, here a Replace undone
 later is not; a position left masked by the EOS stop counts as not effective), ``capped_remasks``
-and ``tokens_per_step`` (committed / steps).
+``tokens_per_step`` (committed / steps), ``seeds`` (seeds chosen) and ``fresh_seeds`` (those drafted
+in the same step, so that the cache injected for them is the mask-derived K/V of that step's forward
+and the override changes nothing for them).
 """
 
 from __future__ import annotations
@@ -296,7 +298,7 @@ class CoverDecoder(MDMDecoder):
         shift = 1  # mdm_info guarantees logit_shift = true: output j-1 predicts position j
         last_layer = model.config.get_text_config().num_hidden_layers - 1
         log = RevisionLog()
-        capped = 0
+        capped = n_seeds = fresh_seeds = 0
         mask_id = info.mask_id
 
         with LoopTimer(device) as timer:
@@ -351,6 +353,8 @@ class CoverDecoder(MDMDecoder):
                         if log.per_position.get(s + o, 0) >= cfg.max_revisions:
                             eligible[o] = False
                     seeds = [s + o for o in select_seeds(scores, pool, eligible)]
+                    n_seeds += len(seeds)
+                    fresh_seeds += sum(1 for p in seeds if p - s in drafted)  # cached K/V are mask-derived
                     cached = step.recorded if cfg.override else None
                 if run.done(eos):
                     break
@@ -358,6 +362,7 @@ class CoverDecoder(MDMDecoder):
         tokens = run.output(eos)
         stats = {"dlm_forwards": run.dlm_forwards, "guide_forwards": 0, "cache_mode": self.cache_mode,
                  "block_size": block, "steps": run.dlm_forwards, "capped_remasks": capped,
+                 "seeds": n_seeds, "fresh_seeds": fresh_seeds,
                  "override": cfg.override, **log.summary(run.x.tolist(), mask_id)}
         stats["tokens_per_step"] = len(tokens) / run.dlm_forwards if run.dlm_forwards else 0.0
         return DecodeResult(tokens=tokens, forwards=run.dlm_forwards, committed=len(tokens),
