@@ -179,12 +179,78 @@ def eager_forward(model, x: list[int], prompt_len: int, attention: str, attn_blo
     return out.logits[0], out.attentions[-1][0].mean(0)
 
 
-def reference_cover(model, prompt, length, block, tau, budget, max_rev, attention, attn_block=None, eos=EOS):
-    """COVER without override, written out in plain Python."""
+TWO_PASS = "pardec_test_cover_two_pass"
+
+
+class TwoPassState:
+    """What the explicit attention below needs and records: seeds, the previous forward's K/V."""
+
+    def __init__(self, seeds: list[int], cached: dict | None, last_layer: int):
+        self.seeds, self.cached, self.last_layer = seeds, cached, last_layer
+        self.recorded: dict = {}
+        self.attention = None
+
+
+def two_pass_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, two_pass=None, **kw):
+    """Row by row: every seed column holds the cached K/V, except for the row verifying it (seed - 1),
+    which sees the seed's K/V of this forward; plain softmax attention (no closed form)."""
+    layer, state = module.layer_idx, two_pass
+    state.recorded[layer] = (key, value)
+    rep = query.shape[1] // key.shape[1]
+    k, v = key.repeat_interleave(rep, 1)[0].double(), value.repeat_interleave(rep, 1)[0].double()  # [h, n, d]
+    q = query[0].double()  # [h, n, d]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out, probs = torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[1], k.shape[1], dtype=torch.float64)
+    for r in range(q.shape[1]):
+        keys, values = k.clone(), v.clone()
+        for j in state.seeds:
+            if state.cached is not None and r != j - 1:
+                ck, cv = state.cached[layer]
+                keys[:, j] = ck.repeat_interleave(rep, 1)[0, :, j].double()
+                values[:, j] = cv.repeat_interleave(rep, 1)[0, :, j].double()
+        scores = (keys @ q[:, r, :, None])[..., 0] * scale + attention_mask[0, 0, r].double()  # [h, n]
+        w = torch.softmax(scores, -1)
+        out[:, r] = (w[..., None] * values).sum(1)
+        probs[:, r] = w
+    if layer == state.last_layer:
+        state.attention = probs.mean(0).float()
+    return out.transpose(0, 1)[None].to(query.dtype).contiguous(), None
+
+
+def two_pass_forward(model, x, prompt_len, attention, attn_block, seeds, cached):
+    """Logits [n, V], the last layer's attention [n, n] and this forward's K/V, under the explicit
+    override attention (the mask built pair by pair as in :func:`eager_forward`)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(TWO_PASS, two_pass_attention)
+    n = len(x)
+    blocks = [0 if p < prompt_len else 1 + (p - prompt_len) // (attn_block or 1) for p in range(n)]
+    mask = torch.zeros(1, 1, n, n)
+    for i in range(n):
+        for j in range(n):
+            if attention == "block" and blocks[j] > blocks[i]:
+                mask[0, 0, i, j] = torch.finfo(torch.float32).min
+    state = TwoPassState(seeds, cached, model.config.num_hidden_layers - 1)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(TWO_PASS)
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([x]), position_ids=torch.arange(n)[None], attention_mask=mask,
+                           two_pass=state).logits[0]
+    finally:
+        model.set_attn_implementation(previous)
+    return logits, state.attention, state.recorded
+
+
+def reference_cover(model, prompt, length, block, tau, budget, max_rev, attention, attn_block=None, eos=EOS,
+                    override=False):
+    """COVER written out in plain Python; with ``override`` the forwards use the explicit row-by-row
+    override attention above, without it the eager backend on the masked input."""
     x = list(prompt) + [MASK] * length
     p_len, n, forwards = len(prompt), len(prompt) + length, 0
     revisions: dict[int, int] = defaultdict(int)
     events = 0
+    recorded = None
 
     def done():
         for t in x[p_len:]:
@@ -199,7 +265,11 @@ def reference_cover(model, prompt, length, block, tau, budget, max_rev, attentio
         seeds: list[int] = []
         while MASK in x[s : s + block]:
             fed = [MASK if i in seeds else t for i, t in enumerate(x)]
-            logits, attn = eager_forward(model, fed, p_len, attention, attn_block)
+            if override:
+                logits, attn, recorded = two_pass_forward(model, fed, p_len, attention, attn_block, seeds,
+                                                          recorded if seeds else None)
+            else:
+                logits, attn = eager_forward(model, fed, p_len, attention, attn_block)
             forwards += 1
             probs = {j: torch.softmax(logits[j - 1].float(), -1) for j in range(s, s + block)}
             conf = {j: float(probs[j].max()) for j in probs}
@@ -276,6 +346,49 @@ def test_without_override_equals_the_reference():
                 attention, tau, prompt)
             total_revisions += events
     assert total_revisions > 0
+
+
+def test_with_override_equals_the_explicit_reference():
+    """override=true: same tokens, forwards and revisions as the reference whose every layer runs
+    the override as an explicit second pass per row (no closed form); the override changes the run
+    relative to override=false somewhere (it is really applied)."""
+    differs = False
+    for attention, attn_block, tau, budget, max_rev in CASES[:3]:
+        model = mdm_model(attention, block=attn_block)
+        for prompt in PROMPTS:
+            cfg = {"draft_threshold": tau, "draft_budget": budget, "max_revisions": max_rev}
+            result, _ = cover(cfg, model, prompt)
+            tokens, forwards, events = reference_cover(model, prompt, L, B, tau, budget, max_rev, attention,
+                                                       attn_block, override=True)
+            assert (result.tokens, result.forwards, result.stats["revisions"]) == (tokens, forwards, events), (
+                attention, tau, prompt)
+            ablated, _ = cover({**cfg, "override": False}, model, prompt)
+            differs |= (ablated.tokens, ablated.forwards, ablated.stats["revisions"]) != (tokens, forwards, events)
+    assert differs
+
+
+@pytest.mark.parametrize("attention", ["bidirectional", "block"])
+def test_override_forward_equals_the_explicit_two_pass_model_forward(attention):
+    """A whole decoder forward (two layers, seeds masked, cache from a forward over another state):
+    logits and the last layer's attention equal the explicit row-by-row reference."""
+    model = mdm_model(attention, block=B)
+    decoder = build_decoder({"name": "cover", "max_new_tokens": L, "block_size": B}, mdm_tokenizer())
+    prompt = PROMPTS[2]
+    torch.manual_seed(1)
+    with decoder.prepare(model), torch.no_grad():
+        run = BlockRun(decoder, model, mdm_info(model), prompt, L, B, torch.device("cpu"))
+        run.x[len(prompt): len(prompt) + 8] = torch.randint(3, VOCAB - 1, (8,))  # two blocks decoded
+        _, previous = decoder._forward(run, [], None, 1, 1)
+        run.x[len(prompt) + 8] = 5  # the state moved on
+        seeds = [len(prompt) + 4, len(prompt) + 6, len(prompt) + 7]
+        logits, step = decoder._forward(run, seeds, previous.recorded, 1, 1)
+    n = run.x.numel()
+    x = run.x.tolist()
+    fed = [MASK if i in seeds else t for i, t in enumerate(x)]
+    ref_logits, ref_attn, _ = two_pass_forward(model, fed, len(prompt), attention, B, seeds, previous.recorded)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(step.attention[0], ref_attn, atol=1e-5, rtol=1e-5)
+    assert step.attention.shape == (1, n, n)
 
 
 # -- the override forward ---------------------------------------------------------------------------
