@@ -75,9 +75,12 @@ def run(model, tok, rows, decoder: dict, warmup) -> dict:
 
 
 def table_md(table: list[dict]) -> str:
-    fmt = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
-    lines = ["| decoder | accuracy | steps/sample | TPF | TPS | TPS / baseline | revisions/sample | flip-flops/sample "
-             "| eff. revision ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    def fmt(v, spec):
+        return "—" if v is None else format(v, spec)
+
+    header = ("| decoder | accuracy | steps/sample | TPF | TPS | TPS / baseline | revisions/sample | flip-flops/sample "
+              "| eff. revision ratio |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
     for r in table:
         lines.append(f"| {r['decoder']} | {r['accuracy']:.1%} | {r['steps_per_sample']:.2f} | {r['tpf']:.2f} | "
                      f"{r['tps']:.1f} | {r['tps_ratio']:.2f}x | {fmt(r['revisions_per_sample'], '.2f')} | "
