@@ -468,6 +468,19 @@ def test_decoding_stops_at_eos(override):
     assert MASK not in result.tokens and result.forwards <= full.forwards
 
 
+def test_non_revocable_mdm_decoders_report_zero_revisions():
+    model = mdm_model("bidirectional")
+    decoder = build_decoder({"name": "mdm_threshold", "max_new_tokens": L, "block_size": B, "threshold": 0.7,
+                             "prefix_cache": False}, mdm_tokenizer())
+    with decoder.prepare(model):
+        result = decoder.decode(model, [PROMPTS[0]], {-1}, [0])[0]
+    st = result.stats
+    assert st["steps"] == result.forwards and st["tokens_per_step"] == pytest.approx(L / result.forwards)
+    assert (st["revisions"], st["flip_flops"], st["effective_revisions"]) == (0, 0, 0)
+    summary = decoder.summarize([{"stats": st, "committed": result.committed}])
+    assert summary["revisions_per_sample"] == 0 and summary["steps_per_sample"] == result.forwards
+
+
 # -- lifecycle and errors ---------------------------------------------------------------------------
 
 

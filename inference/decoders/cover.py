@@ -63,20 +63,27 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections import defaultdict
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from common.errors import ConfigError
 from inference.decoders.base import DecodeResult, LoopTimer, model_device
-from inference.decoders.mdm_common import NONE, BlockRun, MDMDecoder, MDMDecoderConfig, mdm_info
+from inference.decoders.mdm_common import (
+    NONE,
+    REMASK,
+    REPLACE,
+    BlockRun,
+    MDMDecoder,
+    MDMDecoderConfig,
+    RevisionLog,
+    mdm_info,
+)
 from models.bidirectional import non_causal
 from models.kv_override import KV_OVERRIDE, KVOverrideStep, register
 
-KEEP, REPLACE, REMASK = "keep", "replace", "remask"
+KEEP = "keep"
 
 
 @dataclass
@@ -172,56 +179,6 @@ def select_seeds(scores: torch.Tensor, pool: torch.Tensor, eligible: torch.Tenso
     return sorted(ranked[:k].tolist())
 
 
-class RevisionLog:
-    """Per-sample revision counters: flip-flops as they happen, effective revisions at the end."""
-
-    def __init__(self):
-        self.events: list[tuple[int, int, str]] = []  # (position, token removed, kind)
-        self.pending: dict[int, int] = {}  # re-masked position -> the token it had
-        self.per_position: dict[int, int] = defaultdict(int)
-        self.flip_flops = 0
-
-    def unmask(self, pos: int, token: int) -> None:
-        if pos in self.pending and self.pending.pop(pos) == token:
-            self.flip_flops += 1
-
-    def remask(self, pos: int, old: int) -> None:
-        self.events.append((pos, old, REMASK))
-        self.pending[pos] = old
-        self.per_position[pos] += 1
-
-    def replace(self, pos: int, old: int, new: int) -> None:
-        self.events.append((pos, old, REPLACE))
-        self.per_position[pos] += 1
-
-    def summary(self, final: Sequence[int], mask_id: int) -> dict[str, int]:
-        effective = sum(1 for pos, old, _ in self.events if final[pos] != mask_id and final[pos] != old)
-        return {
-            "revisions": len(self.events),
-            "remasks": sum(1 for *_, kind in self.events if kind == REMASK),
-            "replaces": sum(1 for *_, kind in self.events if kind == REPLACE),
-            "flip_flops": self.flip_flops,
-            "effective_revisions": effective,
-        }
-
-
-def revision_summary(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Per-sample means and the pooled effective-revision ratio (as the paper pools them)."""
-    n = max(len(records), 1)
-    total = {k: sum(r["stats"].get(k, 0) for r in records)
-             for k in ("steps", "revisions", "remasks", "replaces", "flip_flops", "effective_revisions")}
-    committed = sum(r["committed"] for r in records)
-    return {
-        "steps_per_sample": total["steps"] / n,
-        "revisions_per_sample": total["revisions"] / n,
-        "remasks_per_sample": total["remasks"] / n,
-        "replaces_per_sample": total["replaces"] / n,
-        "flip_flops_per_sample": total["flip_flops"] / n,
-        "effective_revision_ratio": total["effective_revisions"] / total["revisions"] if total["revisions"] else 0.0,
-        "tokens_per_step": committed / total["steps"] if total["steps"] else 0.0,
-    }
-
-
 class CoverDecoder(MDMDecoder):
     name = "cover"
 
@@ -254,9 +211,6 @@ class CoverDecoder(MDMDecoder):
                 yield
         finally:
             model.set_attn_implementation(previous)
-
-    def summarize(self, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        return {**super().summarize(records), **revision_summary(records)}
 
     # -- one forward -------------------------------------------------------------------------------
 

@@ -44,11 +44,19 @@ blocks are done. ``tokens`` = the generated ids up to and including that EOS (al
 ``forwards`` counts every forward of the run (the guide's too); ``stats`` holds ``dlm_forwards``,
 ``guide_forwards`` and the cache mode; :meth:`MDMDecoder.summarize` reports per-sample means and
 the TPF over all forwards and over DLM forwards alone.
+
+**Revision metrics** (issue 11), in every MDM decoder's ``stats`` so tables compare them: ``steps``
+(DLM forwards), ``revisions``, ``remasks``, ``replaces``, ``flip_flops``, ``effective_revisions``
+(:class:`RevisionLog`; all zero for the non-revocable decoders here, whose commits never change)
+and ``tokens_per_step``; ``summarize`` adds their per-sample means and the pooled
+effective-revision ratio (:func:`revision_summary`). The revocable decoders are
+:mod:`inference.decoders.cover` and :mod:`inference.decoders.wino`.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import defaultdict
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +75,7 @@ from models.bidirectional import non_causal
 from models.loading import mask_token_id
 
 NONE, PREFIX, FREECACHE = "none", "prefix", "freecache"
+REPLACE, REMASK = "replace", "remask"
 DEFAULT_BLOCK_SIZE = 32
 
 
@@ -157,6 +166,7 @@ class MDMDecoder(PerSampleDecoder):
             "tpf_dlm": committed / dlm if dlm else 0.0,
             "tpf_all": committed / (dlm + guide) if dlm + guide else 0.0,
             "cache_mode": self.cache_mode,
+            **revision_summary(records),
         }
 
     # -- subclass hooks --------------------------------------------------------------------------
@@ -199,9 +209,60 @@ class MDMDecoder(PerSampleDecoder):
 
         tokens = run.output(eos)
         stats = {"dlm_forwards": run.dlm_forwards, "guide_forwards": run.guide_forwards, "cache_mode": self.cache_mode,
-                 "block_size": block, **run.extra}
+                 "block_size": block, "steps": run.dlm_forwards, **RevisionLog().summary([], info.mask_id),
+                 "tokens_per_step": len(tokens) / run.dlm_forwards if run.dlm_forwards else 0.0, **run.extra}
         return DecodeResult(tokens=tokens, forwards=run.dlm_forwards + run.guide_forwards, committed=len(tokens),
                             wall_time_s=timer.elapsed, hit_eos=bool(tokens) and tokens[-1] in eos, stats=stats)
+
+
+class RevisionLog:
+    """Per-sample revision counters: flip-flops as they happen, effective revisions at the end."""
+
+    def __init__(self):
+        self.events: list[tuple[int, int, str]] = []  # (position, token removed, kind)
+        self.pending: dict[int, int] = {}  # re-masked position -> the token it had
+        self.per_position: dict[int, int] = defaultdict(int)
+        self.flip_flops = 0
+
+    def unmask(self, pos: int, token: int) -> None:
+        if pos in self.pending and self.pending.pop(pos) == token:
+            self.flip_flops += 1
+
+    def remask(self, pos: int, old: int) -> None:
+        self.events.append((pos, old, REMASK))
+        self.pending[pos] = old
+        self.per_position[pos] += 1
+
+    def replace(self, pos: int, old: int, new: int) -> None:
+        self.events.append((pos, old, REPLACE))
+        self.per_position[pos] += 1
+
+    def summary(self, final: Sequence[int], mask_id: int) -> dict[str, int]:
+        effective = sum(1 for pos, old, _ in self.events if final[pos] != mask_id and final[pos] != old)
+        return {
+            "revisions": len(self.events),
+            "remasks": sum(1 for *_, kind in self.events if kind == REMASK),
+            "replaces": sum(1 for *_, kind in self.events if kind == REPLACE),
+            "flip_flops": self.flip_flops,
+            "effective_revisions": effective,
+        }
+
+
+def revision_summary(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Per-sample means and the pooled effective-revision ratio (as the paper pools them)."""
+    n = max(len(records), 1)
+    total = {k: sum(r["stats"].get(k, 0) for r in records)
+             for k in ("steps", "revisions", "remasks", "replaces", "flip_flops", "effective_revisions")}
+    committed = sum(r["committed"] for r in records)
+    return {
+        "steps_per_sample": total["steps"] / n,
+        "revisions_per_sample": total["revisions"] / n,
+        "remasks_per_sample": total["remasks"] / n,
+        "replaces_per_sample": total["replaces"] / n,
+        "flip_flops_per_sample": total["flip_flops"] / n,
+        "effective_revision_ratio": total["effective_revisions"] / total["revisions"] if total["revisions"] else 0.0,
+        "tokens_per_step": committed / total["steps"] if total["steps"] else 0.0,
+    }
 
 
 class BlockRun:

@@ -30,16 +30,14 @@ Statistics as COVER's (:mod:`inference.decoders.cover`): ``steps``, ``revisions`
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from common.errors import ConfigError
 from inference.decoders.base import DecodeResult, LoopTimer, model_device
-from inference.decoders.cover import RevisionLog, revision_summary
-from inference.decoders.mdm_common import NONE, BlockRun, MDMDecoder, MDMDecoderConfig, mdm_info
+from inference.decoders.mdm_common import NONE, BlockRun, MDMDecoder, MDMDecoderConfig, RevisionLog, mdm_info
 from masks.core import require_dense_attention
 
 FIRST_LAST_ACCEPT = 30  # official: the ReMask cap before a block's first step
@@ -105,9 +103,6 @@ class WinoDecoder(MDMDecoder):
     @property
     def default_cache(self) -> str:
         return NONE
-
-    def summarize(self, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        return {**super().summarize(records), **revision_summary(records)}
 
     def shadow_forward(self, run: BlockRun, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(real logits [B, V] predicting the block, shadow logits [B, V] verifying it)``."""
