@@ -25,7 +25,9 @@ forward (no cache: each step is one full forward with the explicit bidirectional
    its own (not overridden) K/V, which every query reads in the next layer. Without a shift (the
    paper's LLaDA) the verifying row is the seed itself, whose column is overridden, so no such leak
    exists. Removing it would need the column i - 1 overridden too (a second corrected column per
-   verifying row); not done here (tests: the identity holds for a one-layer model).
+   verifying row); not done here (tests: the identity holds for a one-layer model). Likewise the
+   row that predicts position i + 1 is the seed's own row, whose input is ``<|mask|>``: it sees the
+   seed's cached K/V through attention, but its residual stream starts from the mask embedding.
 2. *Draft*: among the block's masked positions (not the seeds), those with confidence (softmax
    probability of the argmax) > ``draft_threshold``, at most ``draft_budget`` (the most confident),
    and the most confident one always **(choice: SPEC's "always top-1", so every step progresses)**.
