@@ -82,9 +82,10 @@ def table_md(table: list[dict]) -> str:
               "| eff. revision ratio |")
     lines = [header, "|---|---|---|---|---|---|---|---|---|"]
     for r in table:
+        ratio = r["effective_revision_ratio"] if r["revisions_per_sample"] else None  # 0/0: no revisions
         lines.append(f"| {r['decoder']} | {r['accuracy']:.1%} | {r['steps_per_sample']:.2f} | {r['tpf']:.2f} | "
                      f"{r['tps']:.1f} | {r['tps_ratio']:.2f}x | {fmt(r['revisions_per_sample'], '.2f')} | "
-                     f"{fmt(r['flip_flops_per_sample'], '.2f')} | {fmt(r['effective_revision_ratio'], '.1%')} |")
+                     f"{fmt(r['flip_flops_per_sample'], '.2f')} | {fmt(ratio, '.1%')} |")
     return "\n".join(lines)
 
 
