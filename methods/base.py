@@ -44,6 +44,11 @@ class Method(ABC):
         """Examples the collator consumes. Default: the tokenised dataset as is."""
         return tokenized
 
+    def begin_step(self, step: int) -> None:
+        """Called by the trainer before collating the micro-batches of optimiser step ``step``
+        (0-based). Methods whose batches are random (ReFusion's slot masking) seed them from it,
+        so a resumed run rebuilds exactly the same batches. Default: nothing."""
+
     @abstractmethod
     def collate(self, examples: list[dict]) -> dict[str, Any]:
         """Batch dict: ``input_ids``/``position_ids`` ``[b, s]``, labels, ``attention`` spec."""
