@@ -21,6 +21,7 @@ _DECODERS = {
     "jacobi": "inference.decoders.jacobi:JacobiDecoder:JacobiDecoderConfig",
     "multiblock": "inference.decoders.multiblock:MultiBlockDecoder:MultiBlockDecoderConfig",
     "isd": "inference.decoders.isd:ISDDecoder:ISDDecoderConfig",
+    "refusion": "inference.decoders.refusion:ReFusionDecoder:ReFusionDecoderConfig",
 }
 
 
