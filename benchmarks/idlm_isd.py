@@ -25,7 +25,7 @@ import torch
 
 from benchmarks.common import held_out_rows, identical
 from inference.checkpoint import load_checkpoint
-from inference.decoders.isd import introspective_ratios
+from inference.decoders.isd import introspective_ratios, resolve_stride
 from inference.evaluate import evaluate
 from models.loading import mask_token_id
 
@@ -76,7 +76,7 @@ def main() -> None:
         *[(f"ISD N={n} sample T={args.temperature}", "idlm", {"name": "isd", "stride": n, **sample}, n) for n in (2, 3, 4)],
     ]
     if args.risd:
-        stride = models["risd"][0].config.pardec["isd_stride"]
+        stride = resolve_stride(models["risd"][0], None)
         rows.append((f"R-ISD N={stride} greedy (gated LoRA)", "risd", {"name": "isd", "stride": stride, **greedy}, stride))
 
     table, own_ar = [], {}

@@ -15,7 +15,7 @@ reference of that model's parallel rows. Columns:
 * = base AR greedy: the same against the base's AR greedy output (how far training moved the model);
 * TPF = committed tokens / decoding forwards (SPEC §0), TPS and its ratio to base AR greedy.
 
-Jacobi rows use the block size a checkpoint was trained at (``config.pardec.jacobi_block_size``),
+Jacobi rows use the block size a checkpoint was trained at (the checkpoint metadata's ``jacobi_block_size``),
 the base the round-2 block size (``--base-block-size``); drafts start from tokens drawn from the
 prompt and the committed tokens (``draft_init=context``, the training noise). The multi-block rows
 run the round-2 model with K blocks in flight, spawn ratio r, an n-gram pool and a verification
@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from benchmarks.common import held_out_rows, identical
+from common.errors import ConfigError
 from data_pipelines.config import DataConfig
 from data_pipelines.jacobi_batch import build_jacobi_batch
 from data_pipelines.jacobi_noise import select_noisy_blocks
@@ -63,6 +64,7 @@ from data_pipelines.jacobi_trajectories import CollectSettings, collect_one
 from data_pipelines.sources import load_raw_split
 from data_pipelines.tokenize import format_prompt_ids
 from inference.checkpoint import load_checkpoint
+from inference.decoders.jacobi import resolve_block_size
 from inference.evaluate import evaluate
 from losses.jacobi import jacobi_forcing_loss
 from methods.base import forward_logits
@@ -100,10 +102,10 @@ def parse_args() -> argparse.Namespace:
 
 
 def trained_block_size(model, path: str) -> int:
-    meta = getattr(model.config, "pardec", None) or {}
-    if "jacobi_block_size" not in meta:
-        sys.exit(f"{path}: config.json records no pardec.jacobi_block_size; is it a Jacobi Forcing export?")
-    return int(meta["jacobi_block_size"])
+    try:
+        return resolve_block_size(model, None)
+    except ConfigError as err:
+        sys.exit(f"{path}: {err}")
 
 
 # ---------------------------------------------------------------------------------------------

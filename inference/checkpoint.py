@@ -15,15 +15,14 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch.utils.hooks import RemovableHandle
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common.constants import MASK_TOKEN
 from common.errors import CheckpointError
+from common.metadata import CheckpointMetadata
+from models.loading import check_tokenizer_matches, resolve_dtype
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 
 
 def resolve_device(device: str) -> torch.device:
@@ -33,15 +32,6 @@ def resolve_device(device: str) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto`` = bfloat16 on GPU, float32 on CPU."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise CheckpointError(f"config key 'dtype' = {dtype!r}; expected auto or one of {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
 
 
 def load_checkpoint(
@@ -54,11 +44,12 @@ def load_checkpoint(
     path = Path(path)
     check_checkpoint_files(path)
     torch_device = resolve_device(device)
-    kwargs = {"dtype": resolve_dtype(dtype, torch_device)}
+    kwargs = {"dtype": resolve_dtype(dtype, torch_device.type == "cuda", key="dtype")}
     if attn_implementation != "auto":
         kwargs["attn_implementation"] = attn_implementation
+    metadata = CheckpointMetadata.read(path)  # validated: a bad record is named before loading weights
     try:
-        if _gated_lora_adapter(path):
+        if metadata.gated_lora_adapter:
             # R-ISD export: frozen base + gated LoRA (residual only on <|mask|> inputs).
             from models.gated_lora import load_gated_lora_export
 
@@ -72,13 +63,12 @@ def load_checkpoint(
     except (OSError, ValueError, TypeError) as err:
         raise CheckpointError(f"could not load the tokenizer from {path}: {err}") from err
     check_tokenizer_matches(model, tokenizer, where=str(path))
-    mask_id = (getattr(model.config, "pardec", None) or {}).get("mask_token_id")
-    if mask_id is not None:
-        forbid_output_token(model, mask_id)
+    if metadata.mask_token_id is not None:
+        forbid_output_token(model, metadata.mask_token_id)
     return model.to(torch_device).eval(), tokenizer
 
 
-def forbid_output_token(model, token_id: int) -> None:
+def forbid_output_token(model, token_id: int) -> RemovableHandle:
     """Never let a decoder emit ``token_id`` (a converted model's ``<|mask|>``): its logit is set
     to -inf in every forward's output.
 
@@ -93,15 +83,7 @@ def forbid_output_token(model, token_id: int) -> None:
         output.logits[..., token_id] = float("-inf")
         return output
 
-    model.register_forward_hook(hook)
-
-
-def _gated_lora_adapter(path: Path) -> str | None:
-    try:
-        meta = json.loads((path / "config.json").read_text()).get("pardec") or {}
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"corrupt {path / 'config.json'}: {err}") from err
-    return meta.get("gated_lora_adapter")
+    return model.register_forward_hook(hook)
 
 
 def check_checkpoint_files(path: Path) -> None:
@@ -141,26 +123,3 @@ def _check_safetensors(file: Path) -> None:
         raise CheckpointError(f"corrupt or truncated weights file {file}: {err}") from err
     if not keys:
         raise CheckpointError(f"weights file {file} contains no tensors (an empty export?)")
-
-
-def check_tokenizer_matches(model, tokenizer, where: str) -> None:
-    """The tokenizer's ids fit the model's embedding, and ``<|mask|>`` matches the recorded id."""
-    vocab = len(tokenizer)
-    embedding = model.get_input_embeddings().num_embeddings
-    if vocab > embedding:
-        raise CheckpointError(
-            f"tokenizer/model mismatch in {where}: the tokenizer has {vocab} tokens but the model's "
-            f"embedding has {embedding} rows"
-        )
-    recorded = (getattr(model.config, "pardec", None) or {}).get("mask_token_id")
-    if recorded is None:
-        return
-    token_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
-    if token_id is None or token_id == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(token_id) != MASK_TOKEN:
-        raise CheckpointError(
-            f"config.json of {where} records pardec.mask_token_id={recorded} but the tokenizer has no {MASK_TOKEN} token"
-        )
-    if token_id != recorded:
-        raise CheckpointError(
-            f"config.json of {where} records pardec.mask_token_id={recorded} but the tokenizer's {MASK_TOKEN} id is {token_id}"
-        )

@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from common.errors import ConfigError
 from data_pipelines.config import DataConfig
 from inference.decoders.registry import decoder_config
+from models.loading import check_attn_implementation
 
 
 @dataclass
@@ -34,7 +35,8 @@ class ValidateConfig:
     device: str = "auto"
     # auto = bfloat16 on GPU, float32 on CPU.
     dtype: str = "auto"
-    # auto = the checkpoint's default (sdpa); or eager, sdpa, flash_attention_2.
+    # auto = the checkpoint's default (sdpa); or eager, or any attention registered with transformers'
+    # AttentionInterface (sdpa, flash_attention_2, flex_attention, a custom function, ...).
     attn_implementation: str = "auto"
     # Prefix plain-template prompts with the tokenizer's BOS (when it has one).
     add_bos: bool = False
@@ -64,10 +66,10 @@ def validate_validate_config(cfg: DictConfig) -> DictConfig:
     for key, allowed in {
         "data.template": ("plain", "chat"),
         "dtype": ("auto", "float32", "bfloat16", "float16"),
-        "attn_implementation": ("auto", "sdpa", "eager", "flash_attention_2"),
     }.items():
         if OmegaConf.select(merged, key) not in allowed:
             raise ConfigError(f"config key '{key}' = {OmegaConf.select(merged, key)!r}; expected one of {allowed}")
+    check_attn_implementation(merged.attn_implementation, "attn_implementation")
     if merged.reference_batch_size < 1:
         raise ConfigError(f"config key 'reference_batch_size' must be >= 1, got {merged.reference_batch_size}")
     return merged

@@ -29,7 +29,9 @@ from tqdm import tqdm
 
 from common.distributed import DistInfo, current
 from common.errors import DataError
+from common.metadata import CheckpointMetadata
 from data_pipelines.tokenize import format_prompt_ids
+from inference.checkpoint import forbid_output_token
 from inference.decoders.ar import ARDecoder, ARDecoderConfig
 from inference.decoders.base import Decoder, DecoderConfig
 from inference.decoders.registry import build_decoder
@@ -45,8 +47,19 @@ class EvalResult:
 
 
 def evaluate_model(model, tokenizer, eval_dataset: datasets.Dataset, decoder_cfg, **kwargs) -> dict[str, Any]:
-    """Metrics only (same on every rank); keyword arguments as for :func:`evaluate`."""
-    return evaluate(model, tokenizer, eval_dataset, decoder_cfg, **kwargs).metrics
+    """Metrics only (same on every rank); keyword arguments as for :func:`evaluate`.
+
+    A model being converted has ``<|mask|>`` in its vocabulary (recorded in its metadata) but is
+    not loaded through ``load_checkpoint``; as an exported checkpoint would, it never emits it here:
+    the token's logit is forbidden for the evaluation only (the training forwards are untouched).
+    """
+    mask_id = CheckpointMetadata.of_model(model).mask_token_id
+    handle = forbid_output_token(model, mask_id) if mask_id is not None else None
+    try:
+        return evaluate(model, tokenizer, eval_dataset, decoder_cfg, **kwargs).metrics
+    finally:
+        if handle is not None:
+            handle.remove()
 
 
 def evaluate(
@@ -61,14 +74,17 @@ def evaluate(
     reference_batch_size: int = 1,
     shard: bool = True,
     progress: bool = False,
+    auxiliary: Mapping[str, Any] | None = None,
 ) -> EvalResult:
     """Decode ``eval_dataset`` (columns ``prompt``, ``response``, optional ``answer``) and score it.
 
     ``decoder_cfg`` is a decoder config (e.g. ``{"name": "ar", "max_new_tokens": 128,
     "batch_size": 16}``), validated by ``inference.decoders.registry``. The model's train/eval
-    mode is restored on return.
+    mode is restored on return. ``auxiliary``: the models the decoder's config names (see
+    ``Decoder.auxiliary_fields``), keyed by config field.
     """
     decoder = build_decoder(decoder_cfg, tokenizer)
+    decoder.use_auxiliary(auxiliary or {})
     if template == "chat" and not tokenizer.chat_template:
         raise DataError("data.template=chat but the tokenizer has no chat template; use data.template=plain")
     ctx = current() if shard else DistInfo()
@@ -81,8 +97,9 @@ def evaluate(
     was_training = model.training
     model.eval()
     try:
-        results = run_decoder(model, decoder, prompts, indices, eos, show, "decode")
-        references = None
+        with decoder.prepare(model):
+            results = run_decoder(model, decoder, prompts, indices, eos, show, "decode")
+        references = None  # after prepare's exit: the reference sees the model as loaded
         if agreement and not decoder.is_ar_greedy:
             ref_cfg = ARDecoderConfig(max_new_tokens=decoder.cfg.max_new_tokens, batch_size=reference_batch_size)
             references = run_decoder(model, ARDecoder(ref_cfg, tokenizer), prompts, indices, eos, show, "AR reference")
@@ -115,8 +132,8 @@ def evaluate(
         )
     records = gather_records(records, ctx)
     metrics = compute_metrics(records, decoder.is_ar_greedy) if ctx.is_main else None
-    if metrics is not None and hasattr(decoder, "summarize"):  # decoder-specific aggregates (e.g. ISD acceptance)
-        metrics.update(decoder.summarize(records))
+    if metrics is not None:
+        metrics.update(decoder.summarize(records))  # decoder-specific aggregates (e.g. ISD acceptance)
     return EvalResult(metrics=broadcast_object(metrics, ctx), records=records)
 
 

@@ -58,7 +58,8 @@ class Method(ABC):
         """Scalar loss (per-micro-batch mean) and floats to log."""
 
     def export_metadata(self) -> dict[str, Any]:
-        """Recorded in the exported checkpoint's ``config.json`` under ``pardec``."""
+        """Fields of :class:`common.metadata.CheckpointMetadata` this method records in its export
+        (the trainer merges them into the model's record and validates them); decoders read them."""
         return {"recipe": self.name}
 
 

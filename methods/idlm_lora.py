@@ -22,7 +22,7 @@ lr 2e-4 on the same data). ``lora_alpha`` is not given in the paper; alpha = r (
 Export (``trainers/export.py`` calls ``save_pretrained`` of the trained module): the module the
 trainer sees is :class:`GatedLoraTrainingModule`, whose ``save_pretrained`` writes the layout of
 :func:`models.gated_lora.save_base_and_adapter`: the frozen base with ``<|mask|>`` as a plain HF
-checkpoint (``config.pardec``: recipe, mask_token_id, isd_stride, gated_lora_adapter) and a plain
+checkpoint (its ``CheckpointMetadata``: recipe, mask_token_id, isd_stride, gated_lora_adapter) and a plain
 PEFT adapter in ``adapter/``; :func:`models.gated_lora.load_gated_lora_export` loads both.
 
 References: I-DLM, Introspective Diffusion Language Models, arXiv:2604.11035, §3.2, App. G and H.
@@ -37,8 +37,8 @@ from typing import Any, List
 import torch
 from peft import LoraConfig, PeftModel
 
-from common.constants import METADATA_KEY
 from common.errors import ConfigError
+from common.metadata import CheckpointMetadata
 from methods.idlm import IDLMConfig, IDLMMethod
 from models.gated_lora import save_base_and_adapter, wrap_gated_lora
 
@@ -101,7 +101,7 @@ class IDLMLoraMethod(IDLMMethod):
             )
 
     def prepare_model(self, model):
-        if "gated_lora_adapter" in (getattr(model.config, METADATA_KEY, None) or {}):
+        if CheckpointMetadata.of_model(model).gated_lora_adapter is not None:
             raise ConfigError(
                 f"model.path={model.name_or_path} is already a gated-LoRA export (base + adapter/); idlm_lora trains "
                 "a new adapter on a plain base: point model.path at the base (e.g. the AR export)"

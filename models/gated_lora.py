@@ -60,8 +60,8 @@ from transformers import AutoModelForCausalLM
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from common.constants import MASK_TOKEN, METADATA_KEY
-from common.errors import ConfigError
-from models.loading import record_metadata
+from common.errors import CheckpointError, ConfigError
+from common.metadata import CheckpointMetadata
 
 GATED_LORA_FILE = "gated_lora.json"
 ADAPTER_SUBDIR = "adapter"
@@ -245,7 +245,8 @@ def save_base_and_adapter(peft_model: PeftModel, out_dir: str | Path,
         if ".lora_A." in name or ".lora_B." in name:
             continue
         base_state[name.removeprefix("base_model.model.").replace(".base_layer.", ".")] = tensor
-    record_metadata(base_model, mask_token_id=gate_holder(peft_model).mask_token_id, gated_lora_adapter=ADAPTER_SUBDIR)
+    metadata = CheckpointMetadata.of_model(base_model)
+    metadata.updated(mask_token_id=gate_holder(peft_model).mask_token_id, gated_lora_adapter=ADAPTER_SUBDIR).write_to(base_model)
     base_model.save_pretrained(str(out_dir), state_dict=base_state, safe_serialization=True)
     save_gated_lora(peft_model, out_dir / ADAPTER_SUBDIR, state)
 
@@ -254,11 +255,11 @@ def load_gated_lora_export(export_dir: str | Path, **from_pretrained_kwargs: Any
     """Base + gated adapter from an export written by :func:`save_base_and_adapter`."""
     export_dir = Path(export_dir)
     base = AutoModelForCausalLM.from_pretrained(str(export_dir), **from_pretrained_kwargs)
-    meta = getattr(base.config, METADATA_KEY, None) or {}
-    if "gated_lora_adapter" not in meta or "mask_token_id" not in meta:
-        raise ConfigError(f"{export_dir}: config.json has no {METADATA_KEY}.gated_lora_adapter/mask_token_id; "
-                          "not a gated-LoRA export")
-    return load_gated_lora(base, export_dir / meta["gated_lora_adapter"], meta["mask_token_id"])
+    meta = CheckpointMetadata.of_model(base)
+    if meta.gated_lora_adapter is None or meta.mask_token_id is None:
+        raise CheckpointError(f"{export_dir}: config.json has no {METADATA_KEY}.gated_lora_adapter/mask_token_id; "
+                              "not a gated-LoRA export")
+    return load_gated_lora(base, export_dir / meta.gated_lora_adapter, meta.mask_token_id)
 
 
 def gate_holder(peft_model: PeftModel) -> GateHolder:

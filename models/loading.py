@@ -12,19 +12,27 @@ import logging
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from common.constants import MASK_TOKEN, METADATA_KEY
-from common.errors import ConfigError
+from common.errors import CheckpointError, ConfigError
+from common.metadata import CheckpointMetadata
 
 log = logging.getLogger(__name__)
 
 
 
-def resolve_dtype(name: str, on_gpu: bool) -> torch.dtype:
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, on_gpu: bool, key: str = "model.dtype") -> torch.dtype:
+    """``auto`` = bfloat16 on GPU, float32 on CPU; else one of :data:`DTYPES` (``key`` names the
+    config key in the error)."""
     if name == "auto":
         return torch.bfloat16 if on_gpu else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    if name not in DTYPES:
+        raise ConfigError(f"config key '{key}' = {name!r}; expected auto or one of {sorted(DTYPES)}")
+    return DTYPES[name]
 
 
 def resolve_attn_implementation(name: str, on_gpu: bool, needs_custom_mask: bool) -> str:
@@ -43,6 +51,16 @@ def resolve_attn_implementation(name: str, on_gpu: bool, needs_custom_mask: bool
             "model.attn_implementation=flex_attention needs a CUDA GPU (FlexAttention has no CPU backward); use sdpa on CPU"
         )
     return name
+
+
+def check_attn_implementation(name: str, key: str) -> None:
+    """``auto``, ``eager`` or an attention function registered with transformers'
+    ``AttentionInterface`` (the built-ins sdpa, flex_attention, flash_attention_2, ... and any
+    function a project registers, e.g. a decoder's KV-override attention); the registry is asked,
+    not a list. :class:`ConfigError` naming ``key`` otherwise."""
+    registered = sorted(AttentionInterface().keys())
+    if name not in ("auto", "eager") and name not in registered:
+        raise ConfigError(f"config key '{key}' = {name!r}; expected auto, eager or a registered attention: {registered}")
 
 
 def _has_flash_attn() -> bool:
@@ -98,42 +116,52 @@ def load_model(model_cfg, tokenizer, dtype: torch.dtype, attn_implementation: st
 
 
 def check_tokenizer_matches(model, tokenizer, where: str) -> None:
+    """The tokenizer's ids fit the model's embedding, and a recorded ``mask_token_id`` is the
+    tokenizer's ``<|mask|>`` id; :class:`CheckpointError` naming ``where`` otherwise."""
     n_embed = model.get_input_embeddings().num_embeddings  # not weight.shape: empty under ZeRO-3
     if len(tokenizer) > n_embed:
-        raise ConfigError(
-            f"tokenizer/model mismatch at {where}: tokenizer has {len(tokenizer)} tokens, "
-            f"the model's embedding only {n_embed} rows"
+        raise CheckpointError(
+            f"tokenizer/model mismatch at {where}: the tokenizer has {len(tokenizer)} tokens but the model's "
+            f"embedding has {n_embed} rows"
+        )
+    recorded = CheckpointMetadata.of_model(model).mask_token_id
+    if recorded is None:
+        return
+    token_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+    if token_id is None or token_id == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(token_id) != MASK_TOKEN:
+        raise CheckpointError(
+            f"config.json of {where} records {METADATA_KEY}.mask_token_id={recorded} but the tokenizer has no "
+            f"{MASK_TOKEN} token"
+        )
+    if token_id != recorded:
+        raise CheckpointError(
+            f"config.json of {where} records {METADATA_KEY}.mask_token_id={recorded} but the tokenizer's "
+            f"{MASK_TOKEN} id is {token_id}"
         )
 
 
 def add_mask_token(model, tokenizer) -> int:
     """Add ``<|mask|>`` (resizing embeddings only if the id falls outside them) and record its id
-    in ``model.config.pardec`` so decoders never guess it. Returns the id."""
+    in the model's :class:`CheckpointMetadata` so decoders never guess it. Returns the id."""
     if MASK_TOKEN not in tokenizer.get_vocab():
         tokenizer.add_special_tokens({"additional_special_tokens": [MASK_TOKEN]})
     mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
     if mask_id >= model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
-    record_metadata(model, mask_token_id=mask_id)
+    CheckpointMetadata.of_model(model).updated(mask_token_id=mask_id).write_to(model)
     return mask_id
 
 
-def mask_token_id(model, tokenizer) -> int:
-    """The recorded ``<|mask|>`` id; errors if missing or inconsistent with the tokenizer."""
-    meta = getattr(model.config, METADATA_KEY, None) or {}
-    recorded = meta.get("mask_token_id")
+def mask_token_id(model, tokenizer=None) -> int:
+    """The recorded ``<|mask|>`` id; errors if missing, or inconsistent with ``tokenizer`` when given."""
+    recorded = CheckpointMetadata.of_model(model).mask_token_id
     if recorded is None:
         raise ConfigError(
             f"checkpoint has no '{METADATA_KEY}.mask_token_id' in its config.json: it was not converted with a "
-            f"recipe that adds {MASK_TOKEN}"
+            f"recipe that adds {MASK_TOKEN} (e.g. recipe=idlm)"
         )
-    tok_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
-    if tok_id != recorded or tok_id == tokenizer.unk_token_id:
-        raise ConfigError(f"mask token mismatch: config records {recorded}, tokenizer maps {MASK_TOKEN} to {tok_id}")
+    if tokenizer is not None:
+        tok_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+        if tok_id != recorded or tok_id == tokenizer.unk_token_id:
+            raise ConfigError(f"mask token mismatch: config records {recorded}, tokenizer maps {MASK_TOKEN} to {tok_id}")
     return recorded
-
-
-def record_metadata(model, **values) -> None:
-    meta = dict(getattr(model.config, METADATA_KEY, None) or {})
-    meta.update(values)
-    setattr(model.config, METADATA_KEY, meta)

@@ -18,7 +18,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from common.errors import ConfigError
+from common.errors import ConfigError, PardecError
 from trainers.config import register_schema, validate_train_config
 
 register_schema()
@@ -38,7 +38,10 @@ def main(cfg: DictConfig) -> None:
         cfg = validate_train_config(cfg)
     except ConfigError as err:
         sys.exit(f"config error: {err}")
-    result = run_recipe(cfg)
+    try:
+        result = run_recipe(cfg)
+    except PardecError as err:  # a refusal (existing run, lock, changed settings) or a bad checkpoint
+        sys.exit(f"error: {err}")
     if os.environ.get("RANK", "0") == "0":
         where = f", Hugging Face export: {result.export_dir}" if result.export_dir else ""
         print(f"training {result.status} at step {result.step} ({result.train_seconds:.0f} s of training steps){where}")

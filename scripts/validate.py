@@ -29,6 +29,7 @@ from common.errors import CheckpointError, ConfigError, DataError
 from data_pipelines.sources import load_raw_split
 from inference.checkpoint import load_checkpoint
 from inference.config import ValidateConfig, validate_validate_config
+from inference.decoders.registry import auxiliary_checkpoints
 from inference.evaluate import evaluate
 from inference.metrics import format_markdown
 
@@ -45,6 +46,10 @@ def main(cfg: DictConfig) -> None:
     ctx = init_distributed()
     try:
         model, tokenizer = load_checkpoint(cfg.checkpoint, cfg.device, cfg.dtype, cfg.attn_implementation)
+        auxiliary = {
+            field: load_checkpoint(path, cfg.device, cfg.dtype)[0]
+            for field, path in auxiliary_checkpoints(cfg.decoder).items()
+        }
         eval_set = load_raw_split(cfg.data, "eval")
         result = evaluate(
             model,
@@ -56,6 +61,7 @@ def main(cfg: DictConfig) -> None:
             agreement=cfg.agreement,
             reference_batch_size=cfg.reference_batch_size,
             progress=cfg.progress,
+            auxiliary=auxiliary,
         )
     except (CheckpointError, DataError, ConfigError) as err:
         sys.exit(f"error: {err}")

@@ -14,7 +14,7 @@ from inference.decoders.base import DecoderConfig, DecodeResult, PerSampleDecode
 from inference.decoders.registry import build_decoder
 from inference.decoders.sampling import SamplingParams, probs_from_logits, sample_seed
 from inference.metrics import compute_metrics, format_markdown, prefix_agreement, score_answer
-from tests.helpers_inference import save_checkpoint, tiny_model, tiny_tokenizer
+from tests.conftest import save_checkpoint, tiny_model, tiny_tokenizer
 
 torch.set_num_threads(1)
 

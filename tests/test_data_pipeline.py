@@ -21,6 +21,7 @@ from data_pipelines.tokenize import tokenize_dataset
 from losses.causal_lm import shifted_labels
 from masks.core import causal_document_spec, dense_additive_mask, dense_bool_mask
 from methods.ar import ARConfig, ARMethod
+from tests.conftest import tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -126,14 +127,9 @@ def test_causal_document_mask_matches_loop():
 
 def test_packed_forward_equals_separate_forwards(tokenizer):
     """One packed AR forward through a real model = each sample alone (nothing leaks)."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
     from methods.base import forward_logits
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=8), attn_implementation="sdpa").eval()
+    model = tiny_model(len(tokenizer))
     ds = raw(["Question: Tom has 3 apples.\nAnswer:", "Question: Ann has 12 pens.\nAnswer:"],
              [" Tom has 3 apples.\n#### 3", " Ann has 12 pens.\n#### 12"])
     method = ARMethod(OmegaConf.structured(ARConfig), tokenizer)
@@ -189,15 +185,11 @@ def test_missing_column_is_named(tmp_path):
 
 
 def test_missing_mask_token_is_named(tokenizer):
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
     from common.constants import MASK_TOKEN
     from common.errors import ConfigError
     from models.loading import mask_token_id
 
-    model = AutoModelForCausalLM.from_config(Qwen3Config(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
-                                                         num_hidden_layers=1, num_attention_heads=2,
-                                                         num_key_value_heads=1, head_dim=8))
+    model = tiny_model(len(tokenizer))
     with pytest.raises(ConfigError, match="mask_token_id"):
         mask_token_id(model, tokenizer)
     model.config.pardec = {"mask_token_id": 5}
@@ -207,13 +199,9 @@ def test_missing_mask_token_is_named(tokenizer):
 
 
 def test_tokenizer_model_mismatch_is_named(tokenizer):
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    from common.errors import ConfigError
+    from common.errors import CheckpointError
     from models.loading import check_tokenizer_matches
 
-    model = AutoModelForCausalLM.from_config(Qwen3Config(vocab_size=10, hidden_size=16, intermediate_size=32,
-                                                         num_hidden_layers=1, num_attention_heads=2,
-                                                         num_key_value_heads=1, head_dim=8))
-    with pytest.raises(ConfigError, match=rf"tokenizer has {len(tokenizer)} tokens.*10 rows"):
+    model = tiny_model(10)
+    with pytest.raises(CheckpointError, match=rf"tokenizer has {len(tokenizer)} tokens.*10 rows"):
         check_tokenizer_matches(model, tokenizer, "tiny")

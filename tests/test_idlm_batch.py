@@ -6,12 +6,12 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from data_pipelines.idlm_batch import build_idlm_batch
 from data_pipelines.packing import greedy_pack
 from masks.core import dense_additive_mask
 from masks.idlm import idlm_mask
+from tests import conftest
 
 MASK_ID = 63
 PAD_ID = 0
@@ -19,12 +19,9 @@ VOCAB = 64
 
 
 def tiny_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0):
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    config = Qwen3Config(head_dim=8, **common) if arch == "qwen3" else LlamaConfig(**common)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
-    return model.eval()
+    """The shared tiny model at this file's vocabulary, 128 positions, no special token ids."""
+    return conftest.tiny_model(VOCAB, arch, seed, attn_implementation, max_position_embeddings=128,
+                               eos_token_id=None, bos_token_id=None, pad_token_id=None)
 
 
 def random_samples(spec: list[tuple[int, int]], seed: int = 0) -> list[dict]:

@@ -23,7 +23,7 @@ from inference.decoders.sampling import SamplingParams, probs_from_logits
 from inference.evaluate import evaluate
 from inference.isd_metrics import isd_summary, isd_tpf
 from masks.core import materialize
-from tests.helpers_inference import EVAL_ROWS, tiny_model, tiny_tokenizer
+from tests.conftest import EVAL_ROWS, tiny_model, tiny_tokenizer
 
 torch.set_num_threads(1)
 

@@ -20,7 +20,7 @@ from inference.decoders.jacobi import init_draft, prefill_prompt
 from inference.decoders.multiblock import Block, BlockChain, Commit, NgramPool, forward_branches, keep_cache_entries
 from inference.decoders.registry import build_decoder, decoder_config
 from masks.core import additive_mask
-from tests.helpers_inference import tiny_model
+from tests.conftest import tiny_model
 
 torch.set_num_threads(1)
 

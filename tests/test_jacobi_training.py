@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.constants import IGNORE_INDEX
 from common.errors import ConfigError, DataError
@@ -21,7 +21,7 @@ from inference.decoders.registry import build_decoder
 from losses.jacobi import jacobi_forcing_loss
 from methods.base import forward_logits, move_batch
 from scripts.collect_trajectories import collect
-from tests.helpers_inference import tiny_model
+from tests.conftest import tiny_model
 from tests.train_utils import FAST, compose_train, run_in_process
 
 torch.set_num_threads(1)
@@ -117,10 +117,8 @@ def test_flex_attention_training_path_on_gpu(mask, window):
     naive per-block (SDPA) logits, and the loss backpropagates through it."""
 
     def model_with(attn: str):
-        torch.manual_seed(0)
-        config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, attn_implementation=attn)
-        return Qwen3ForCausalLM(config).cuda()
+        return tiny_model(VOCAB, attn_implementation=attn, hidden_size=64, intermediate_size=128, head_dim=16,
+                          eos_token_id=None, bos_token_id=None, pad_token_id=None).train().cuda()
 
     model, reference = model_with("flex_attention"), model_with("sdpa").eval()
     batch_samples = samples()

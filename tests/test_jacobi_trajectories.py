@@ -19,7 +19,7 @@ from data_pipelines.jacobi_trajectories import (
     load_trajectories,
 )
 from inference.decoders.registry import build_decoder
-from tests.helpers_inference import tiny_model
+from tests.conftest import tiny_model
 
 torch.set_num_threads(1)
 

@@ -18,7 +18,7 @@ import scripts.validate  # noqa: F401  (registers the validate_schema config nod
 from common.errors import ConfigError, DataError
 from inference.config import validate_validate_config
 from inference.evaluate import encode_prompt, evaluate, evaluate_model
-from tests.helpers_inference import EVAL_ROWS, save_checkpoint, tiny_model, tiny_tokenizer, write_eval_jsonl
+from tests.conftest import EVAL_ROWS, save_checkpoint, tiny_model, tiny_tokenizer, write_eval_jsonl
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -160,3 +160,38 @@ def test_validate_two_processes_match_one(tmp_path):
     ]
     assert {k: v for k, v in m1.items() if k not in TIMING_KEYS} == {k: v for k, v in m2.items() if k not in TIMING_KEYS}
     assert json.loads((tmp_path / "two" / "metrics.json").read_text())["world_size"] == 2
+
+
+def test_in_training_evaluation_never_emits_the_mask_token(monkeypatch):
+    """evaluate_model (the trainer's hook) forbids a converted model's <|mask|> as an export load
+    does, for the evaluation only: a mask logit built to win every argmax never reaches the output,
+    and the model's own forward is untouched afterwards."""
+    import inference.evaluate as evaluation
+    from common.metadata import CheckpointMetadata
+
+    tok = tiny_tokenizer(extra_tokens=("<|mask|>",))
+    model = tiny_model(len(tok))
+    mask_id = tok.convert_tokens_to_ids("<|mask|>")
+    CheckpointMetadata(recipe="idlm", mask_token_id=mask_id).write_to(model)
+
+    def dominate(module, args, output):
+        output.logits[..., mask_id] += 1e4
+        return output
+
+    model.register_forward_hook(dominate)
+    decoder = {"name": "ar", "max_new_tokens": 5}
+    plain = evaluate(model, tok, eval_set(), decoder, agreement=False)
+    assert all(set(r["output_ids"]) == {mask_id} for r in plain.records)  # the mask row really dominates
+    seen = []
+
+    def spy(*args, **kwargs):
+        result = evaluate(*args, **kwargs)
+        seen.extend(result.records)
+        return result
+
+    monkeypatch.setattr(evaluation, "evaluate", spy)
+    evaluate_model(model, tok, eval_set(), decoder, agreement=False)
+    assert len(seen) == len(EVAL_ROWS) and all(mask_id not in r["output_ids"] for r in seen)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[3, 4]])).logits
+    assert int(logits[0, -1].argmax()) == mask_id  # the hook is gone after the evaluation

@@ -3,11 +3,43 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
+
+log = logging.getLogger(__name__)
+DROPPED = "metrics.dropped.jsonl"
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    """A run (re)starting at ``step`` will log steps after it again: move the records a previous
+    attempt logged past its last checkpoint (and any torn last line) to ``metrics.dropped.jsonl``,
+    marked with the step resumed from, so ``metrics.jsonl`` holds each step once."""
+    if not path.is_file():
+        return
+    keep, dropped = [], []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+            stale = int(record["step"]) > step
+        except (ValueError, KeyError, TypeError):
+            record, stale = {"unparsable": line}, True
+        if stale:
+            dropped.append(json.dumps({**record, "dropped_on_resume_from_step": step}))
+        else:
+            keep.append(line)
+    if not dropped:
+        return
+    with open(path.with_name(DROPPED), "a") as f:
+        f.write("\n".join(dropped) + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+    log.warning("%s: %d records logged after step %d by an earlier attempt were moved to %s (this run logs "
+                "those steps again)", path, len(dropped), step, DROPPED)
 
 
 class MetricsLogger:
@@ -19,6 +51,7 @@ class MetricsLogger:
         self.bar = None
         if not is_main:
             return
+        _drop_records_after(run_dir / "metrics.jsonl", start_step)
         self.jsonl = open(run_dir / "metrics.jsonl", "a")
         if log_cfg.progress_bar:
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)

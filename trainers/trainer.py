@@ -15,6 +15,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,17 +24,31 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from common.distributed import DistInfo, all_reduce_mean, any_rank, barrier, init_distributed
+from common.errors import ConfigError
+from common.metadata import CheckpointMetadata
 from data_pipelines.sources import load_raw_split
 from data_pipelines.tokenize import tokenize_dataset
 from methods.base import move_batch
 from methods.registry import build_method
-from models.loading import load_model, load_tokenizer, record_metadata, resolve_attn_implementation, resolve_dtype
-from trainers.checkpoint import find_resume_dir, load_checkpoint, save_checkpoint
+from models.loading import load_model, load_tokenizer, resolve_attn_implementation, resolve_dtype
+from trainers.checkpoint import (
+    CHECKPOINTS,
+    CONFIG_FILE,
+    clear_prior_state,
+    load_training_state,
+    plan_resume,
+    read_latest,
+    run_on_main,
+    save_training_state,
+    tag_for,
+)
+from trainers.config import check_resume_config
 from trainers.data_order import DataOrder
 from trainers.deepspeed_config import build_deepspeed_config
 from trainers.export import export_hf
 from trainers.metrics_logger import MetricsLogger
 from trainers.preemption import PREEMPTED_MARKER, PreemptionWatch
+from trainers.run_lock import RunLock
 from trainers.schedule import build_scheduler
 
 log = logging.getLogger(__name__)
@@ -66,13 +81,13 @@ def expand_stages(cfg: DictConfig) -> list[DictConfig]:
     for i, stage in enumerate(stages):
         unknown = set(stage) - {"name", "max_steps", "overrides"}
         if unknown:
-            raise ValueError(f"recipe.stages[{i}]: unknown keys {sorted(unknown)} (allowed: name, max_steps, overrides)")
+            raise ConfigError(f"recipe.stages[{i}]: unknown keys {sorted(unknown)} (allowed: name, max_steps, overrides)")
         stage_cfg = cfg.copy()
         OmegaConf.set_struct(stage_cfg, True)
         name = stage.get("name", f"stage{i}")
         for key, value in (stage.get("overrides") or {}).items():
             if OmegaConf.select(stage_cfg.recipe, key, default="__missing__") == "__missing__":
-                raise ValueError(f"recipe.stages[{i}] ({name}): override key 'recipe.{key}' does not exist")
+                raise ConfigError(f"recipe.stages[{i}] ({name}): override key 'recipe.{key}' does not exist")
             OmegaConf.update(stage_cfg.recipe, key, value, merge=True)
         if "max_steps" in stage:
             stage_cfg.trainer.max_steps = stage["max_steps"]
@@ -82,8 +97,42 @@ def expand_stages(cfg: DictConfig) -> list[DictConfig]:
 
 
 def run_recipe(cfg: DictConfig) -> StageResult:
+    """Run the recipe's stages under an exclusive lock on ``output_dir`` (rank 0 holds it; a second
+    run in the same directory refuses, naming the holder)."""
     dist_info = init_distributed(single_process_group=True)
+    import deepspeed
+
+    # DeepSpeed's comm layer wraps the group just started (left to itself it would pick its CPU
+    # accelerator's default backend, not the gloo group, and see a world of one).
+    deepspeed.init_distributed(dist_backend="nccl" if dist_info.device.type == "cuda" else "gloo", auto_mpi_discovery=False)
     stages = expand_stages(cfg)
+    root = Path(cfg.output_dir)
+    lock = run_on_main(lambda: RunLock(root).acquire(), dist_info.is_main, share_result=False)
+    try:
+        if cfg.trainer.resume == "never":
+            note = run_on_main(lambda: clear_prior_state(root, cfg.trainer.on_existing, "trainer.resume=never"),
+                               dist_info.is_main)
+            if note and dist_info.is_main:
+                log.warning(note)
+        return _run_stages(stages, dist_info)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _done_step(stage_dir: Path) -> int | None:
+    """The step a finished stage's DONE marker records (None: not finished)."""
+    try:
+        text = (stage_dir / DONE_MARKER).read_text()
+    except OSError:
+        return None
+    try:
+        return int(text.split()[1])
+    except (IndexError, ValueError):
+        return 0
+
+
+def _run_stages(stages: list[DictConfig], dist_info: DistInfo) -> StageResult:
     result = None
     previous_export: Path | None = None
     for i, stage_cfg in enumerate(stages):
@@ -92,18 +141,32 @@ def run_recipe(cfg: DictConfig) -> StageResult:
             stage_cfg.model.config = None
             stage_cfg.model.tokenizer = None
         stage_dir = Path(stage_cfg.output_dir)
-        if (stage_dir / DONE_MARKER).is_file():
-            previous_export = stage_dir / HF_EXPORT_DIR
+        done = _done_step(stage_dir)
+        if done is not None and stage_cfg.trainer.resume == "auto":
+            what = f"stage {i} ({stage_dir})" if len(stages) > 1 else str(stage_dir)
+            notes = run_on_main(partial(check_resume_config, stage_dir / CONFIG_FILE, stage_cfg, what), dist_info.is_main)
             if dist_info.is_main:
-                log.info("stage %d (%s) already finished; skipping", i, stage_dir)
-            continue
+                for note in notes or []:
+                    log.warning(note)
+            if done >= stage_cfg.trainer.max_steps:
+                previous_export = stage_dir / HF_EXPORT_DIR
+                if dist_info.is_main:
+                    log.info("%s already finished at step %d; skipping", what, done)
+                result = StageResult("finished", done, previous_export)
+                continue
+            later = [s.output_dir for s in stages[i + 1:] if Path(s.output_dir).exists()]
+            if later:
+                raise ConfigError(
+                    f"{what} finished at step {done}; raising its max_steps to {stage_cfg.trainer.max_steps} "
+                    f"would change the export that later stages ({', '.join(later)}) started from. Keep its max_steps, "
+                    f"or start over (trainer.resume=never trainer.on_existing=archive)")
+            if dist_info.is_main:
+                log.warning("%s finished at step %d; continuing to the new max_steps %d", what, done,
+                            stage_cfg.trainer.max_steps)
         result = train_stage(stage_cfg, dist_info)
         if result.status != "finished":
             return result
         previous_export = result.export_dir
-    if result is None:
-        final = Path(stages[-1].output_dir) / HF_EXPORT_DIR
-        return StageResult("finished", -1, final)
     return result
 
 
@@ -130,6 +193,19 @@ def _write_run_files(cfg: DictConfig, ds_config: dict, run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     (run_dir / "deepspeed_config.json").write_text(json.dumps(ds_config, indent=2))
+    (run_dir / DONE_MARKER).unlink(missing_ok=True)  # this stage is running: no longer finished
+
+
+def _plan(cfg: DictConfig, run_dir: Path):
+    """Rank 0: where this stage starts (repairing/recovering the checkpoint directory), refusing a
+    fresh start over a previous run or a resume with changed settings."""
+    plan = plan_resume(run_dir, cfg.trainer.resume, cfg.trainer.on_existing)
+    if plan.path is not None:
+        plan.notes += check_resume_config(plan.path / CONFIG_FILE, cfg, f"{plan.path}")
+        if plan.step > cfg.trainer.max_steps:
+            raise ConfigError(f"config key 'trainer.max_steps' = {cfg.trainer.max_steps}, but the checkpoint to "
+                              f"resume ({plan.path}) is at step {plan.step}")
+    return plan
 
 
 def train_stage(cfg: DictConfig, dist_info: DistInfo) -> StageResult:
@@ -139,7 +215,11 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo) -> StageResult:
     on_gpu = dist_info.device.type == "cuda"
     dtype = resolve_dtype(cfg.model.dtype, on_gpu)
     ds_config = build_deepspeed_config(cfg, dist_info.world_size, bf16=dtype == torch.bfloat16)
+    # Decide the start before writing anything: config.yaml must keep describing the checkpoints.
+    plan = run_on_main(lambda: _plan(cfg, run_dir), dist_info.is_main)
     if dist_info.is_main:
+        for note in plan.notes:
+            log.warning(note)
         _write_run_files(cfg, ds_config, run_dir)
     barrier()
     seed_everything(cfg.trainer.seed)
@@ -171,9 +251,9 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo) -> StageResult:
 
     # 3. resume
     state: dict[str, Any] = {"step": 0, "wandb_run_id": None}
-    resume_dir = find_resume_dir(run_dir, cfg.trainer.resume)
+    resume_dir = plan.path
     if resume_dir is not None:
-        state = load_checkpoint(engine, resume_dir, dist_info.rank)
+        state = load_training_state(engine, resume_dir, dist_info.rank)
         if dist_info.is_main:
             log.info("resumed from %s at step %d", resume_dir, state["step"])
     start_step = state["step"]
@@ -183,11 +263,12 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo) -> StageResult:
     logger = MetricsLogger(cfg.logging, run_dir, dist_info.is_main, cfg.trainer.max_steps, start_step,
                            state.get("wandb_run_id"), OmegaConf.to_container(cfg, resolve=True))
     watch = PreemptionWatch(run_dir)
-    ckpt_root = run_dir / "checkpoints"
+    ckpt_root = run_dir / CHECKPOINTS
+    config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
 
     def checkpoint(step: int) -> None:
-        save_checkpoint(engine, ckpt_root, step, {"step": step, "wandb_run_id": logger.run_id},
-                        dist_info.rank, cfg.trainer.keep_checkpoints)
+        save_training_state(engine, ckpt_root, step, {"step": step, "wandb_run_id": logger.run_id, "lineage": plan.lineage},
+                        dist_info.rank, cfg.trainer.keep_checkpoints, config_yaml)
 
     eval_rows = _eval_rows(cfg) if (cfg.eval.every or cfg.eval.at_end) else None
 
@@ -204,7 +285,7 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo) -> StageResult:
         engine.train()
 
     def export(name: str) -> Path:
-        record_metadata(engine.module, **method.export_metadata())
+        CheckpointMetadata.of_model(engine.module).updated(**method.export_metadata()).write_to(engine.module)
         return export_hf(engine.module, tokenizer, run_dir / name, cfg.deepspeed.stage, dist_info.rank)
 
     # 4. the loop
@@ -260,7 +341,9 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo) -> StageResult:
 
     # 5. the end: final checkpoint, HF export, done marker
     train_seconds = time.perf_counter() - loop_start
-    checkpoint(step)
+    resumed_here = resume_dir is not None and resume_dir.resolve() == (ckpt_root / tag_for(step)).resolve()
+    if not (step == start_step and resumed_here and read_latest(ckpt_root) == tag_for(step)):
+        checkpoint(step)  # (not when nothing was trained since loading the checkpoint latest names)
     export_dir = export(HF_EXPORT_DIR)
     if eval_rows is not None and cfg.eval.at_end:
         evaluate(step)

@@ -14,17 +14,34 @@ Counting conventions (SPEC §0), fixed here once for every method:
   (``torch.cuda.synchronize``) at both ends. A batched decoder splits its batch's loop time
   across the batch's samples in proportion to their forwards, so the times sum to the loop time.
 
-A decoder is built from its validated config dataclass and the tokenizer (later decoders read
-``<|mask|>`` from it); :meth:`Decoder.decode` takes a batch of prompts and returns one
-:class:`DecodeResult` per prompt. Decoders that work per sample (batch 1, own KV-cache handling)
-subclass :class:`PerSampleDecoder` and implement ``decode_one``.
+Lifecycle, driven by ``inference.evaluate.evaluate`` (one run = one eval set):
+
+1. ``decoder = build_decoder(cfg, tokenizer)``: the validated config dataclass and the tokenizer.
+2. ``decoder.use_auxiliary({...})``: the auxiliary models the decoder's config names (the fields
+   listed in :attr:`Decoder.auxiliary_fields`, e.g. FlashDLM's AR guide ``decoder.guide=<export>``),
+   loaded once by validation and handed over before decoding; a named one that is missing is a
+   :class:`ConfigError` naming ``decoder.<field>``.
+3. ``with decoder.prepare(model): decoder.decode(...)``: ``prepare`` is a context manager for
+   whatever the decoder changes on the model for its run (an attention function registered with
+   transformers' ``AttentionInterface``, hooks, ...) and must undo on exit, also on error; the
+   evaluator leaves it before the AR greedy reference run, so the reference always sees the model
+   as loaded. The default changes nothing.
+4. ``decoder.summarize(records)``: decoder-specific aggregates over the run's per-sample records
+   (e.g. ISD acceptance), merged into the metrics; the default adds nothing.
+
+:meth:`Decoder.decode` takes a batch of prompts and returns one :class:`DecodeResult` per prompt.
+Decoders that work per sample (batch 1, own KV-cache handling) subclass :class:`PerSampleDecoder`
+and implement ``decode_one``. Defaults that depend on how the model was converted (ISD stride,
+Jacobi block size, the mask id, ...) come from the checkpoint's
+:class:`common.metadata.CheckpointMetadata`, never from guesses.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +76,9 @@ class DecodeResult:
 
 class Decoder(ABC):
     name: str = "base"
+    # Config fields naming auxiliary checkpoints (export directories) the decoder needs besides the
+    # model under evaluation, e.g. ("guide",); a field left null is not loaded.
+    auxiliary_fields: tuple[str, ...] = ()
 
     def __init__(self, cfg: DecoderConfig, tokenizer):
         if cfg.max_new_tokens < 1:
@@ -67,6 +87,34 @@ class Decoder(ABC):
             raise ConfigError(f"decoder.batch_size must be >= 1, got {cfg.batch_size}")
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.auxiliary: dict[str, Any] = {}
+
+    @classmethod
+    def auxiliary_checkpoints(cls, cfg: DecoderConfig) -> dict[str, str]:
+        """``{field: export directory}`` for each auxiliary field ``cfg`` sets."""
+        return {f: getattr(cfg, f) for f in cls.auxiliary_fields if getattr(cfg, f, None)}
+
+    def use_auxiliary(self, models: Mapping[str, Any]) -> None:
+        """Take the loaded auxiliary models, keyed by field; exactly those the config names."""
+        wanted = set(self.auxiliary_checkpoints(self.cfg))
+        missing, unexpected = sorted(wanted - set(models)), sorted(set(models) - wanted)
+        if missing:
+            raise ConfigError(
+                f"decoder {self.name!r} needs the model(s) named by {[f'decoder.{f}' for f in missing]}, "
+                "which were not loaded (validation loads them from the config)"
+            )
+        if unexpected:
+            raise ConfigError(f"decoder {self.name!r} got auxiliary models it does not use: {unexpected}")
+        self.auxiliary = dict(models)
+
+    @contextlib.contextmanager
+    def prepare(self, model) -> Iterator[None]:
+        """Changes to ``model`` for this decoder's run, undone on exit (default: none)."""
+        yield
+
+    def summarize(self, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """Decoder-specific aggregates over a run's records (default: none)."""
+        return {}
 
     @property
     def is_ar_greedy(self) -> bool:

@@ -85,6 +85,7 @@ from transformers import DynamicCache
 from common.constants import METADATA_KEY
 from common.errors import ConfigError
 from common.kv_cache import crop_cache
+from common.metadata import CheckpointMetadata
 from inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device, prefill
 from inference.decoders.sampling import SamplingParams, probs_from_logits
 from inference.isd_metrics import isd_summary
@@ -113,9 +114,9 @@ class ISDDecoderConfig(DecoderConfig):
 
 
 def resolve_stride(model, stride: int | None) -> int:
-    """``stride`` if given, else the checkpoint's recorded ``pardec.isd_stride``."""
+    """``stride`` if given, else the checkpoint's recorded ``isd_stride``."""
     if stride is None:
-        stride = (getattr(model.config, METADATA_KEY, None) or {}).get("isd_stride")
+        stride = CheckpointMetadata.of_model(model).isd_stride
         if stride is None:
             raise ConfigError(
                 f"config key 'decoder.stride' is null and the checkpoint records no '{METADATA_KEY}.isd_stride' "
@@ -124,19 +125,6 @@ def resolve_stride(model, stride: int | None) -> int:
     if stride < 2:
         raise ConfigError(f"config key 'decoder.stride' = {stride}; ISD needs a stride N >= 2")
     return int(stride)
-
-
-def resolve_mask_token_id(model, tokenizer) -> int:
-    """The recorded ``pardec.mask_token_id`` (checked against the tokenizer when there is one)."""
-    if tokenizer is not None:
-        return mask_token_id(model, tokenizer)
-    recorded = (getattr(model.config, METADATA_KEY, None) or {}).get("mask_token_id")
-    if recorded is None:
-        raise ConfigError(
-            f"model config has no '{METADATA_KEY}.mask_token_id': ISD needs a checkpoint converted with a recipe "
-            "that adds <|mask|> (e.g. recipe=idlm)"
-        )
-    return int(recorded)
 
 
 def step_attention_mask(cache_len: int, n_clean: int, n_masks: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -213,7 +201,7 @@ class ISDDecoder(PerSampleDecoder):
             raise ValueError("ISD decoding needs at least one prompt token (got an empty prompt)")
         require_dense_attention(model, "ISD decoding")
         stride = resolve_stride(model, self.cfg.stride)
-        mask_id = resolve_mask_token_id(model, self.tokenizer)
+        mask_id = mask_token_id(model, self.tokenizer)
         device = model_device(model)
         generator = torch.Generator(device=device).manual_seed(seed)
         n_drafts = stride - 1

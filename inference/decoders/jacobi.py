@@ -46,12 +46,15 @@ from __future__ import annotations
 import random
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from transformers import DynamicCache
 
+from common.constants import METADATA_KEY
 from common.errors import ConfigError
 from common.kv_cache import crop_cache
+from common.metadata import CheckpointMetadata
 from inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device, prefill
 
 DRAFT_INITS = ("context", "repeat")
@@ -60,17 +63,31 @@ DRAFT_INITS = ("context", "repeat")
 @dataclass
 class JacobiDecoderConfig(DecoderConfig):
     name: str = "jacobi"
-    # n: output positions per block (= query tokens per forward at the start of a block).
-    block_size: int = 16
+    # n: output positions per block (= query tokens per forward at the start of a block);
+    # null = the checkpoint's recorded jacobi_block_size (the n of its last training round).
+    block_size: Optional[int] = None
     # "context": uniform draws from prompt + committed tokens; "repeat": repeat the preceding token.
     draft_init: str = "context"
 
 
-def check_draft_config(block_size: int, draft_init: str) -> None:
-    if block_size < 1:
+def check_draft_config(block_size: int | None, draft_init: str) -> None:
+    if block_size is not None and block_size < 1:
         raise ConfigError(f"decoder.block_size must be >= 1, got {block_size}")
     if draft_init not in DRAFT_INITS:
         raise ConfigError(f"decoder.draft_init must be one of {DRAFT_INITS}, got {draft_init!r}")
+
+
+def resolve_block_size(model, block_size: int | None) -> int:
+    """``block_size`` if given, else the checkpoint's recorded ``jacobi_block_size``."""
+    if block_size is None:
+        block_size = CheckpointMetadata.of_model(model).jacobi_block_size
+        if block_size is None:
+            raise ConfigError(
+                f"config key 'decoder.block_size' is null and the checkpoint records no "
+                f"'{METADATA_KEY}.jacobi_block_size' in its config.json (not a Jacobi Forcing export): "
+                "set decoder.block_size=n"
+            )
+    return block_size
 
 
 def init_draft(mode: str, rng: random.Random, context: Sequence[int], previous: int, length: int) -> list[int]:
@@ -120,6 +137,7 @@ class JacobiDecoder(PerSampleDecoder):
         if not prompt:
             raise ValueError("Jacobi decoding needs at least one prompt token (got an empty prompt)")
         cfg = self.cfg
+        block_size = resolve_block_size(model, cfg.block_size)
         device = model_device(model)
         rng = random.Random(seed)
         cache = prefill_prompt(model, prompt, device)
@@ -133,7 +151,7 @@ class JacobiDecoder(PerSampleDecoder):
         with LoopTimer(device) as timer:
             while position < budget_end and not hit_eos:
                 if not draft:  # a new block
-                    length = min(cfg.block_size, budget_end - position)
+                    length = min(block_size, budget_end - position)
                     draft = init_draft(cfg.draft_init, rng, list(prompt) + tokens, anchor, length)
                     blocks += 1
                 # 1. one causal forward over [anchor, y_1 .. y_{w-1}]

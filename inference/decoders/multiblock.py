@@ -98,6 +98,7 @@ import random
 from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from transformers import DynamicCache
@@ -105,7 +106,14 @@ from transformers import DynamicCache
 from common.errors import ConfigError
 from common.kv_cache import crop_cache
 from inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device
-from inference.decoders.jacobi import check_draft_config, converged_prefix, init_draft, prefill_prompt, truncate_at_eos
+from inference.decoders.jacobi import (
+    check_draft_config,
+    converged_prefix,
+    init_draft,
+    prefill_prompt,
+    resolve_block_size,
+    truncate_at_eos,
+)
 from masks.core import MaskMod, additive_mask, require_dense_attention
 
 ROOT = 0  # branch id of the anchor (seen by every branch)
@@ -115,7 +123,7 @@ CHAIN = 1  # branch id of the blocks' drafts; candidate j (0-based) is CHAIN + 1
 @dataclass
 class MultiBlockDecoderConfig(DecoderConfig):
     name: str = "multiblock"
-    block_size: int = 16  # n
+    block_size: Optional[int] = None  # n; null = the checkpoint's recorded jacobi_block_size
     num_blocks: int = 2  # K: blocks in flight (1 real-active + up to K-1 pseudo-active)
     spawn_ratio: float = 0.85  # r: spawn the next block once the newest one has >= ceil(r*n) tokens
     ngram_pool_size: int = 4  # rejected sequences kept for recycling (0: recycling off)
@@ -349,7 +357,6 @@ class MultiBlockDecoder(PerSampleDecoder):
             raise ConfigError(f"decoder.ngram_pool_size must be >= 0 (0 = no recycling), got {cfg.ngram_pool_size}")
         if cfg.verification_size < 0:
             raise ConfigError(f"decoder.verification_size must be >= 0 (0 = no recycling), got {cfg.verification_size}")
-        self.spawn_threshold = math.ceil(cfg.spawn_ratio * cfg.block_size)
         self.recycling = cfg.ngram_pool_size > 0 and cfg.verification_size > 0
 
     @torch.inference_mode()
@@ -362,7 +369,9 @@ class MultiBlockDecoder(PerSampleDecoder):
         rng = random.Random(seed)
         pool = NgramPool(cfg.ngram_pool_size)
         cache = prefill_prompt(model, prompt, device)
-        state = BlockChain(len(prompt), cfg.block_size, len(prompt) + cfg.max_new_tokens)
+        block_size = resolve_block_size(model, cfg.block_size)
+        spawn_threshold = math.ceil(cfg.spawn_ratio * block_size)
+        state = BlockChain(len(prompt), block_size, len(prompt) + cfg.max_new_tokens)
         anchor = prompt[-1]
         tokens: list[int] = []
         forwards = 0
@@ -415,7 +424,7 @@ class MultiBlockDecoder(PerSampleDecoder):
                     state.blocks
                     and len(state.blocks) < cfg.num_blocks
                     and state.end < state.budget_end
-                    and state.progress(state.blocks[-1]) >= self.spawn_threshold
+                    and state.progress(state.blocks[-1]) >= spawn_threshold
                 ):
                     previous = state.draft[-1]
                     length = state.next_block_length()

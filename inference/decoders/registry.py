@@ -56,3 +56,11 @@ def build_decoder(cfg: Mapping[str, Any] | DictConfig | DecoderConfig, tokenizer
     cfg = decoder_config(cfg)
     decoder_cls, _ = _resolve(cfg.name)
     return decoder_cls(cfg, tokenizer)
+
+
+def auxiliary_checkpoints(cfg: Mapping[str, Any] | DictConfig | DecoderConfig) -> dict[str, str]:
+    """``{config field: export directory}`` of the auxiliary models a decoder config names
+    (validation loads each once and passes them to ``evaluate(..., auxiliary=...)``)."""
+    cfg = decoder_config(cfg)
+    decoder_cls, _ = _resolve(cfg.name)
+    return decoder_cls.auxiliary_checkpoints(cfg)

@@ -1,5 +1,8 @@
-"""Shared fixtures for the inference tests: a tiny word-level tokenizer, tiny random causal LMs,
-a checkpoint directory and a small jsonl eval set, all built offline in seconds."""
+"""The builders the suites share, all offline and built in seconds: a tiny word-level tokenizer,
+tiny random causal LMs (Qwen3 or Llama), a checkpoint directory and a small jsonl eval set.
+
+Test modules import them (``from tests.conftest import tiny_model``); every tiny model in the suite
+comes from :func:`tiny_model`, so a change of architecture defaults happens in one place."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
 
 WORDS = "Question: Answer: what is plus minus ? #### apples Tom has".split() + [str(d) for d in range(10)]
 SPECIAL = ["<eos>", "<unk>", "<bos>"]
@@ -23,9 +26,18 @@ def tiny_tokenizer(extra_tokens: tuple[str, ...] = ()) -> PreTrainedTokenizerFas
     )
 
 
-def tiny_model(vocab_size: int, arch: str = "qwen3", seed: int = 0):
+def tiny_model(
+    vocab_size: int,
+    arch: str = "qwen3",
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+    **config_overrides,
+):
+    """A random causal LM in eval mode: 2 layers, hidden 32, 4 heads of 8 (2 KV heads: grouped-query
+    attention), 256 positions, ids 0 = eos/pad and 2 = bos; ``config_overrides`` change any of it.
+    Weights depend only on ``seed`` and the shapes."""
     torch.manual_seed(seed)
-    common = dict(
+    config = dict(
         vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=64,
@@ -38,10 +50,14 @@ def tiny_model(vocab_size: int, arch: str = "qwen3", seed: int = 0):
         bos_token_id=2,
         pad_token_id=0,
     )
-    if arch == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    config.update(config_overrides)
+    if arch == "llama":
+        config_cls = LlamaConfig
+    elif arch == "qwen3":
+        config_cls = Qwen3Config
     else:
-        model = LlamaForCausalLM(LlamaConfig(**common))
+        raise ValueError(f"arch must be qwen3 or llama, got {arch!r}")
+    model = AutoModelForCausalLM.from_config(config_cls(**config), attn_implementation=attn_implementation)
     return model.eval()
 
 

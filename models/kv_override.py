@@ -1,0 +1,139 @@
+"""KV-override attention: COVER's single-forward leave-one-out verification (SPEC §4).
+
+COVER re-verifies a set of *seed* positions (tokens committed at earlier steps) in the same forward
+that drafts new tokens. The seeds are masked in the input, so their verifying queries cannot copy
+the token under test; every other query would then lose the seeds' context, so the seed columns of
+every layer's keys/values are *overridden* with the K/V the same positions had at the previous step
+(computed from their tokens). A seed's own verifying query must not see that cached K/V (it encodes
+the very token being verified): for it the seed's column is restored to the K/V computed from the
+masked input. Rather than a second attention pass, the restored column is applied in closed form
+(paper App. B, Lemma B.1): changing one score ``s_ri`` by ``delta`` rescales the row,
+
+    ratio = 1 + alpha * (exp(delta) - 1)        alpha = w_ri under the override
+    w'_rj = w_rj / ratio  (j != i)              w'_ri = alpha * exp(delta) / ratio
+    o'_r  = (o_r + alpha * (exp(delta) * v_i - v'_i)) / ratio
+
+Which row verifies seed column i follows the model's logit-shift convention: without a shift the
+query at i predicts position i (row i, the diagonal); with a shift (``shift=1``, this framework's
+converted models, ``CheckpointMetadata.logit_shift``) the query at i - 1 predicts position i, so the
+self-leak to remove sits at row i - 1, column i.
+
+Use: register once (:func:`register`), switch the model to :data:`KV_OVERRIDE` (a decoder does so
+in ``prepare``), and pass ``kv_override=KVOverrideStep(...)`` to the model's forward (transformers
+hands extra forward kwargs to every layer's attention function). Without a step the function is
+plain (eager-math) attention. The step also records each layer's K/V of this forward (the next
+step's cache) and, for one layer, the corrected head-averaged attention probabilities (SDPA returns
+none; COVER scores seeds from the last layer's). Grouped-query attention, any additive float mask
+(block masks, padding) and a query range shorter than the keys (a prefix KV cache: the queries are
+the last ``q`` keys) are supported. Inference only (no dropout).
+
+References: COVER, Stop the Flip-Flop: Context-Preserving Verification for Fast Revocable Diffusion
+Decoding, arXiv:2602.06161, §5.1 and App. B.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+
+KV_OVERRIDE = "pardec_kv_override"
+
+
+@dataclass
+class KVOverrideStep:
+    """The state of one forward, passed as ``model(..., kv_override=step)``."""
+
+    # [b, kv] bool: seed columns, whose K/V are replaced by ``cached`` for every query but their own
+    # verifying one. All false (or cached None): no override.
+    seeds: torch.Tensor | None = None
+    # Per layer index, the previous step's (key, value) [b, h_kv, kv, d] (post-RoPE), e.g. the
+    # ``recorded`` of the previous step.
+    cached: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    # 1 = logit shift (row i - 1 verifies column i); 0 = row i verifies column i.
+    shift: int = 1
+    # Keep the corrected head-averaged attention probabilities [b, q, kv] of this layer (e.g. the last).
+    attention_layer: int | None = None
+    # Filled during the forward: this step's (key, value) per layer, and the kept probabilities.
+    recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    attention: torch.Tensor | None = None
+
+
+def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[b, h_kv, s, d] -> [b, h_kv * n_rep, s, d] (grouped-query attention)."""
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+def kv_override_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    kv_override: KVOverrideStep | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An ``AttentionInterface`` function; returns ``(output [b, q, h, d], probabilities or None)``.
+
+    ``query`` [b, h, q, d], ``key``/``value`` [b, h_kv, kv, d], ``attention_mask`` an additive
+    float mask broadcastable to [b, h, q, kv] (or None = everything visible).
+    """
+    layer = module.layer_idx
+    step = kv_override
+    n_rep = query.shape[1] // key.shape[1]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q_len, kv_len = query.shape[2], key.shape[2]
+    offset = kv_len - q_len  # query t is key offset + t
+
+    # 1. This forward's own K/V (the next step's cache); the override memory K', V'.
+    if step is not None:
+        step.recorded[layer] = (key.detach(), value.detach())
+    k = _repeat_kv(key, n_rep).float()  # [b, h, kv, d]
+    v = _repeat_kv(value, n_rep).float()  # [b, h, kv, d]
+    q = query.float()  # [b, h, q, d]
+    override = step is not None and step.cached is not None and step.seeds is not None and bool(step.seeds.any())
+    if override:
+        cached_k, cached_v = step.cached[layer]
+        seed_cols = step.seeds[:, None, :, None]  # [b, 1, kv, 1]
+        k_ovr = torch.where(seed_cols, _repeat_kv(cached_k, n_rep).float(), k)  # [b, h, kv, d]
+        v_ovr = torch.where(seed_cols, _repeat_kv(cached_v, n_rep).float(), v)  # [b, h, kv, d]
+    else:
+        k_ovr, v_ovr = k, v
+
+    # 2. Attention over the overridden memory.
+    scores = torch.matmul(q, k_ovr.transpose(-1, -2)) * scale  # [b, h, q, kv]
+    if attention_mask is not None:
+        scores = scores + attention_mask.float()
+    weights = torch.softmax(scores, dim=-1)  # [b, h, q, kv]
+    out = torch.matmul(weights, v_ovr)  # [b, h, q, d]
+
+    # 3. Closed-form correction of each seed's verifying row r = i - shift: restore column i.
+    if override:
+        batch_idx, col = step.seeds.nonzero(as_tuple=True)  # [n], [n]
+        row = col - step.shift - offset  # [n] query index of the verifying row
+        keep = (row >= 0) & (row < q_len)
+        batch_idx, col, row = batch_idx[keep], col[keep], row[keep]
+        if batch_idx.numel():
+            q_r = q[batch_idx, :, row]  # [n, h, d]
+            delta = ((q_r * (k[batch_idx, :, col] - k_ovr[batch_idx, :, col])).sum(-1) * scale)  # [n, h]
+            alpha = weights[batch_idx, :, row, col]  # [n, h]
+            grow = torch.exp(delta)  # [n, h]
+            ratio = 1 + alpha * (grow - 1)  # [n, h]
+            shift_v = (grow.unsqueeze(-1) * v[batch_idx, :, col] - v_ovr[batch_idx, :, col])  # [n, h, d]
+            out[batch_idx, :, row] = (out[batch_idx, :, row] + alpha.unsqueeze(-1) * shift_v) / ratio.unsqueeze(-1)
+            new_row = weights[batch_idx, :, row] / ratio.unsqueeze(-1)  # [n, h, kv]
+            new_row[torch.arange(col.numel()), :, col] = alpha * grow / ratio
+            weights[batch_idx, :, row] = new_row
+
+    # 4. Keep one layer's head-averaged probabilities (COVER's seed scoring).
+    if step is not None and step.attention_layer == layer:
+        step.attention = weights.mean(dim=1)  # [b, q, kv]
+    return out.transpose(1, 2).contiguous().to(query.dtype), None
+
+
+def register() -> None:
+    """Make :data:`KV_OVERRIDE` a valid ``attn_implementation`` (idempotent)."""
+    AttentionInterface.register(KV_OVERRIDE, kv_override_attention)
