@@ -7,11 +7,11 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from data_pipelines.refusion_batch import build_refusion_batch, draw_layout, layout_seed
 from masks.core import dense_additive_mask
 from masks.refusion import refusion_mask
+from tests import conftest
 
 MASK_ID = 63
 PAD_ID = 0
@@ -19,11 +19,7 @@ VOCAB = 64
 
 
 def tiny_model(arch: str = "qwen3", attn_implementation: str = "sdpa", seed: int = 0):
-    common = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}
-    config = Qwen3Config(head_dim=8, **common) if arch == "qwen3" else LlamaConfig(**common)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32).eval()
+    return conftest.tiny_model(VOCAB, arch, seed, attn_implementation)
 
 
 def random_samples(spec: list[tuple[int, int]], seed: int = 0) -> list[dict]:

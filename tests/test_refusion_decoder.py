@@ -12,11 +12,11 @@ from transformers import DynamicCache
 import inference.decoders.refusion as refusion_module
 from common.constants import MASK_TOKEN
 from common.errors import ConfigError
+from common.metadata import CheckpointMetadata
 from inference.decoders.refusion import ReFusionDecoder, ReFusionDecoderConfig
 from inference.decoders.registry import build_decoder
 from masks.refusion import SHARED
-from models.loading import record_metadata
-from tests.helpers_inference import tiny_model, tiny_tokenizer
+from tests.conftest import tiny_model, tiny_tokenizer
 
 EOS = 0
 
@@ -28,8 +28,8 @@ def tokenizer():
 
 def converted_model(tokenizer, seed=0, slot_size=4):
     model = tiny_model(len(tokenizer), seed=seed)
-    record_metadata(model, recipe="refusion", mask_token_id=tokenizer.convert_tokens_to_ids(MASK_TOKEN),
-                    slot_size=slot_size)
+    CheckpointMetadata(recipe="refusion", mask_token_id=tokenizer.convert_tokens_to_ids(MASK_TOKEN),
+                       slot_size=slot_size).write_to(model)
     return model
 
 
@@ -292,7 +292,7 @@ def test_checkpoint_without_mask_token(tokenizer):
 
 def test_checkpoint_without_slot_size(tokenizer):
     model = tiny_model(len(tokenizer))
-    record_metadata(model, mask_token_id=tokenizer.convert_tokens_to_ids(MASK_TOKEN))
+    CheckpointMetadata(mask_token_id=tokenizer.convert_tokens_to_ids(MASK_TOKEN)).write_to(model)
     with pytest.raises(ConfigError, match="decoder.slot_size.*pardec.slot_size"):
         decode(model, tokenizer, PROMPTS[0])
 

@@ -10,7 +10,7 @@ import torch
 from common.errors import ConfigError
 from common.metadata import CheckpointMetadata
 from methods.refusion import ReFusionConfig, ReFusionMethod
-from tests.helpers_inference import tiny_tokenizer
+from tests.conftest import tiny_tokenizer
 from tests.train_utils import exported_weights, run_in_process
 
 

@@ -61,10 +61,10 @@ from common.errors import ConfigError
 from common.kv_cache import crop_cache, select_cache_entries
 from common.metadata import CheckpointMetadata
 from inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device, prefill
-from inference.decoders.isd import resolve_mask_token_id
 from inference.decoders.sampling import SamplingParams, probs_from_logits
 from masks.core import additive_mask, require_dense_attention
 from masks.refusion import SHARED, refusion_decode_mask
+from models.loading import mask_token_id
 
 MODES = ("greedy", "sample")
 PLAN_SCOPES = ("all", "block")
@@ -256,7 +256,7 @@ class ReFusionDecoder(PerSampleDecoder):
             raise ValueError("ReFusion decoding needs at least one prompt token (got an empty prompt)")
         require_dense_attention(model, "ReFusion decoding")
         k = resolve_slot_size(model, self.cfg.slot_size)
-        mask_id = resolve_mask_token_id(model, self.tokenizer)
+        mask_id = mask_token_id(model, self.tokenizer)
         length = self.cfg.max_new_tokens
         block = self.cfg.block_size or length
         if self.cfg.block_size is not None and block % k:
