@@ -18,3 +18,15 @@ def held_out_rows(num_samples: int):
 def identical(records, reference) -> float:
     """Fraction of samples whose output tokens equal the reference's exactly (records sorted by index)."""
     return sum(r["output_ids"] == ref["output_ids"] for r, ref in zip(records, reference, strict=True)) / len(records)
+
+
+def validation_rows(num_samples: int):
+    """The first ``num_samples`` problems of the embedded default's validation split (disjoint from
+    train and test): where decoders are tuned, so the test problems stay held out."""
+    import datasets
+
+    from data_pipelines.synthetic_gsm import generate_split
+
+    cfg = OmegaConf.structured(DataConfig).synthetic
+    cfg.num_val = num_samples
+    return datasets.Dataset.from_list(generate_split(cfg, "val"))

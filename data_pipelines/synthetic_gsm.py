@@ -12,7 +12,8 @@ Three problem families (a counted collection, money, boxes of items) share one e
 (add, subtract, multiply by a small factor); every intermediate value is a non-negative integer
 no larger than ``max_value``. Generation is deterministic from ``seed``: each split draws from its
 own ``random.Random`` whose seed is a SHA-256 digest of ``(seed, split)``. The test prompts are
-generated first and excluded from the train split, so the splits never share a prompt.
+generated first and excluded from the train split, so the splits never share a prompt; the validation
+split (``val``, for tuning decoders) excludes both the test and the train prompts.
 
 :func:`vocabulary_texts` lists every template and word the generator can emit, so the embedded
 tokenizer (``data_pipelines.synthetic_tokenizer``) covers the full output space, not a sample.
@@ -25,7 +26,7 @@ import random
 import re
 from dataclasses import dataclass
 
-SPLIT_NAMES = ("train", "test")
+SPLIT_NAMES = ("train", "test", "val")
 
 
 @dataclass
@@ -33,6 +34,9 @@ class SyntheticGSMConfig:
     seed: int = 1234
     num_train: int = 20000
     num_test: int = 200
+    # Validation split for tuning decoders (thresholds, ...): disjoint from train and test, drawn
+    # from its own seed after both, so adding it left train and test unchanged.
+    num_val: int = 200
     # Arithmetic steps (chain-of-thought lines) per problem.
     min_steps: int = 2
     max_steps: int = 3
@@ -112,7 +116,8 @@ def split_seed(seed: int, split: str) -> int:
 
 
 def generate_split(cfg: SyntheticGSMConfig, split: str) -> list[dict]:
-    """``cfg.num_train`` or ``cfg.num_test`` unique examples with keys prompt, response, answer."""
+    """``cfg.num_train``, ``cfg.num_test`` or ``cfg.num_val`` unique examples with keys prompt,
+    response, answer. Test is drawn first, train excludes its prompts, val excludes both."""
     if split not in SPLIT_NAMES:
         raise ValueError(f"split must be one of {SPLIT_NAMES}, got {split!r}")
     _check_config(cfg)
@@ -120,7 +125,11 @@ def generate_split(cfg: SyntheticGSMConfig, split: str) -> list[dict]:
     if split == "test":
         return test
     exclude = {row["prompt"] for row in test}
-    return _generate(cfg, cfg.num_train, random.Random(split_seed(cfg.seed, "train")), exclude)
+    train = _generate(cfg, cfg.num_train, random.Random(split_seed(cfg.seed, "train")), exclude)
+    if split == "train":
+        return train
+    exclude |= {row["prompt"] for row in train}
+    return _generate(cfg, cfg.num_val, random.Random(split_seed(cfg.seed, "val")), exclude)
 
 
 def _check_config(cfg: SyntheticGSMConfig) -> None:
@@ -133,8 +142,8 @@ def _check_config(cfg: SyntheticGSMConfig) -> None:
             f"synthetic: allow_multiply needs max_multiplier >= 2 and max_value >= 4, "
             f"got {cfg.max_multiplier}, {cfg.max_value}"
         )
-    if cfg.num_train < 0 or cfg.num_test < 0:
-        raise ValueError("synthetic: num_train and num_test must be >= 0")
+    if cfg.num_train < 0 or cfg.num_test < 0 or cfg.num_val < 0:
+        raise ValueError("synthetic: num_train, num_test and num_val must be >= 0")
 
 
 def _generate(cfg: SyntheticGSMConfig, count: int, rng: random.Random, exclude: set[str]) -> list[dict]:

@@ -58,6 +58,11 @@ class Method(ABC):
         response is empty (EOS-only targets) is then refused by ``tokenize_dataset``."""
         return True
 
+    def begin_step(self, step: int) -> None:
+        """Called by the trainer before collating the micro-batches of optimiser step ``step``
+        (0-based). Methods whose batches are random (ReFusion's slot masking) seed them from it,
+        so a resumed run rebuilds exactly the same batches. Default: nothing."""
+
     @abstractmethod
     def collate(self, examples: list[dict]) -> dict[str, Any]:
         """Batch dict: ``input_ids``/``position_ids`` ``[b, s]``, labels, ``attention`` spec."""

@@ -300,6 +300,7 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo, stop_dir: Path | None = No
     window_steps, window_start = 0, time.perf_counter()
     engine.train()
     while step < cfg.trainer.max_steps:
+        method.begin_step(step)
         for indices in order.micro_batches(step):
             batch = move_batch(method.collate([train_ds[i] for i in indices]), dist_info.device)
             loss, metrics = method.loss(engine, batch)

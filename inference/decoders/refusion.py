@@ -1,0 +1,398 @@
+"""ReFusion plan-and-infill decoding with KV reuse (SPEC §3).
+
+References: ReFusion, arXiv:2512.13586, §4.2 and Appendix A.2 (Eq. 4-7), §5.1 (semi-AR blocks).
+
+The target of ``max_new_tokens`` = L positions after the prompt is cut into slots of k tokens (the
+last one possibly short) and semi-AR blocks of b tokens (b a multiple of k). Each iteration:
+
+1. **Plan** (one forward): after the KV cache of the committed context, feed any *pending*
+   tokens (the last token of each slot completed in the previous step, whose K/V are not cached
+   yet) and then the remaining masked slots in position order (``plan_scope=all``, SPEC: every
+   remaining slot of the target; ``block``, the official code: only the current block's). Each mask
+   predicts its own token: the draft is its argmax (``mode=greedy``) or a sample (``mode=sample``,
+   temperature / top-k / top-p). A slot's score is the probability of its draft's first token
+   (Eq. 5). Among the current block's masked slots, those with score > ``plan_threshold`` are
+   selected; if none, the single best. The masks' K/V are dropped; the pending tokens' K/V kept.
+2. **Verify** (one forward): the selected drafts concatenated in position order, causal. Token j > 1
+   of a slot has the probability of the draft under the query before it; token 1 keeps its plan
+   probability (Eq. 6). The longest prefix with every probability > ``verify_threshold`` is found;
+   if it covers >= 1 whole slot, those slots are accepted with the K/V of this forward (each saw the
+   context and the accepted slots before it: the same tokens in the same order), and the step ends.
+3. **Complete** (otherwise): every draft is truncated to l' >= 1, the longest prefix verified in
+   every selected slot (the first token counts as verified, Eq. 7), the verify K/V are dropped, and
+   the slots are completed autoregressively *in parallel*, one forward per round: round 0 feeds
+   every slot's l' tokens, later rounds each unfinished slot's newest token, all in one row whose
+   mask (``masks.refusion.refusion_decode_mask``) lets a slot see only the committed context and
+   itself; its last token becomes pending. This single row is equivalent to the SPEC's "batched
+   rows sharing the KV cache" without copying the cache per slot.
+
+KV reuse: committed K/V are never recomputed. After the plan forward that consumed the pending
+tokens, the entries of the previous step are regrouped so that each completed slot's K/V are
+contiguous, in generation order (slots of one step in position order), every entry at its original
+RoPE position. ``kv_reuse=false`` (the paper's recomputation ablation, and the tests' reference)
+recomputes the whole context with plain causal attention in generation order in every forward.
+
+EOS: when a decoded slot contains EOS at offset e, the target length becomes e + 1: masked slots
+after it are dropped, and so are decoded tokens after it (and their K/V), but every undecoded slot
+*before* it is still decoded (the official decoder's EOS index bug drops them). The final text is
+the slots sorted by position, which cover [0, target length) without a gap.
+
+Counting (SPEC §0): ``forwards`` = plan + verify + completion forwards (the prefill of
+``prompt[:-1]`` excluded: the last prompt token is the first plan forward's pending token);
+``committed`` = output tokens up to and including EOS. ``stats``: ``steps`` (plan-and-infill
+iterations), ``slots_accepted`` (slots completed, over all steps), ``wholesale_steps`` (steps ended
+by verification), ``plan_forwards``, ``verify_forwards``, ``complete_forwards``.
+
+Decisions where the paper and SPEC are silent: the ``<|mask|>`` logit is excluded from every
+distribution (a draft or completion never emits it); in sample mode the score and verification
+probabilities come from the same transformed (temperature / top-k / top-p) distribution the drafts
+are sampled from; ``block_size`` null = the whole target (one block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from common.errors import ConfigError
+from common.kv_cache import crop_cache, select_cache_entries
+from common.metadata import CheckpointMetadata
+from inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device, prefill
+from inference.decoders.sampling import SamplingParams, probs_from_logits
+from masks.core import additive_mask, require_dense_attention
+from masks.refusion import SHARED, refusion_decode_mask
+from models.loading import mask_token_id
+
+MODES = ("greedy", "sample")
+PLAN_SCOPES = ("all", "block")
+
+
+@dataclass
+class ReFusionDecoderConfig(DecoderConfig):
+    name: str = "refusion"
+    # Slot size k; null = the checkpoint's pardec.slot_size.
+    slot_size: Optional[int] = None
+    # Semi-AR block size b (a multiple of k); null = max_new_tokens (one block).
+    block_size: Optional[int] = None
+    # tau: sets both thresholds below unless they are given; each must lie in (0, 1].
+    threshold: float = 0.7
+    plan_threshold: Optional[float] = None
+    verify_threshold: Optional[float] = None
+    # greedy (argmax drafts and completion) | sample (temperature / top-k / top-p).
+    mode: str = "greedy"
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    # true: reuse the KV cache across steps; false: recompute the whole context every forward.
+    kv_reuse: bool = True
+    # all (SPEC: plan over every remaining masked slot) | block (official: the current block's only).
+    plan_scope: str = "all"
+
+
+def resolve_slot_size(model, slot_size: int | None) -> int:
+    """``slot_size`` if given, else the checkpoint's recorded ``pardec.slot_size``."""
+    if slot_size is None:
+        slot_size = CheckpointMetadata.of_model(model).slot_size
+        if slot_size is None:
+            raise ConfigError(
+                "config key 'decoder.slot_size' is null and the checkpoint records no 'pardec.slot_size' in its "
+                "config.json: set decoder.slot_size=k (or convert with recipe=refusion)"
+            )
+    if slot_size < 1:
+        raise ConfigError(f"config key 'decoder.slot_size' = {slot_size}; must be >= 1")
+    return int(slot_size)
+
+
+class _Context:
+    """The committed context of one decode and the entries a step appends after it.
+
+    Per entry: token, position and group (``SHARED`` or the slot being completed). With
+    ``kv_reuse`` the K/V live in a ``DynamicCache`` (prompt[:-1] prefilled); without it every
+    forward recomputes all entries, with the same mask predicate over the same groups.
+    """
+
+    def __init__(self, model, prompt_prefix: list[int], kv_reuse: bool):
+        self.model, self.kv_reuse = model, kv_reuse
+        self.device = model_device(model)
+        self.ids, self.pos, self.groups = list(prompt_prefix), list(range(len(prompt_prefix))), [SHARED] * len(prompt_prefix)
+        self.cache = None
+        if kv_reuse:
+            context = torch.tensor([prompt_prefix], dtype=torch.long, device=self.device)  # [1, P-1]
+            self.cache = prefill(model, context, torch.ones_like(context))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def forward(self, ids: list[int], pos: list[int], groups: list[int]) -> torch.Tensor:
+        """Feed the entries after the context; they join it. Returns their logits ``[q, V]``."""
+        n, q = len(self.ids), len(ids)
+        self.ids, self.pos, self.groups = self.ids + ids, self.pos + pos, self.groups + groups
+        all_groups = torch.tensor([self.groups], dtype=torch.long, device=self.device)  # [1, n+q]
+        mask_mod = refusion_decode_mask(all_groups)
+        dtype = self.model.dtype
+        if self.kv_reuse:
+            mask = additive_mask(mask_mod, 1, q, n + q, dtype, self.device, kv_cache_len=n)  # [1, 1, q, n+q]
+            out = self.model(
+                input_ids=torch.tensor([ids], device=self.device), position_ids=torch.tensor([pos], device=self.device),
+                attention_mask=mask, past_key_values=self.cache, use_cache=True,
+            )
+            return out.logits[0]  # [q, V]
+        mask = additive_mask(mask_mod, 1, n + q, n + q, dtype, self.device)  # [1, 1, n+q, n+q]
+        out = self.model(
+            input_ids=torch.tensor([self.ids], device=self.device),
+            position_ids=torch.tensor([self.pos], device=self.device),
+            attention_mask=mask, use_cache=False, logits_to_keep=q,
+        )
+        return out.logits[0]  # [q, V]
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` entries."""
+        if self.kv_reuse:
+            crop_cache(self.cache, length)
+        del self.ids[length:], self.pos[length:], self.groups[length:]
+
+    def select(self, keep: list[int]) -> None:
+        """Keep the entries at ``keep``, in that order."""
+        if self.kv_reuse:
+            select_cache_entries(self.cache, torch.tensor(keep, dtype=torch.long, device=self.device))
+        self.ids = [self.ids[i] for i in keep]
+        self.pos = [self.pos[i] for i in keep]
+        self.groups = [self.groups[i] for i in keep]
+
+    def drop_beyond(self, end_position: int) -> None:
+        """Drop the entries at positions >= ``end_position`` (tokens after an EOS)."""
+        keep = [i for i, p in enumerate(self.pos) if p < end_position]
+        if len(keep) < len(self.pos):
+            self.select(keep)
+
+    def regroup(self, start: int) -> None:
+        """Entries from ``start`` on: each slot's entries contiguous, slots in position order after the
+        shared ones (a stable sort), then every entry SHARED: committed context for later steps."""
+        tail = sorted(range(start, len(self.ids)), key=lambda i: (self.groups[i] != SHARED, self.groups[i]))
+        if tail != list(range(start, len(self.ids))):
+            self.select(list(range(start)) + tail)
+        self.groups = [SHARED] * len(self.ids)
+
+    def absorb(self, entries: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        """Pending ``(token, position, group)`` entries: recompute mode takes them into the context
+        at once (they are recomputed with it) and returns none; with KV reuse they stay pending
+        until the next forward computes their K/V."""
+        if self.kv_reuse:
+            return entries
+        for token, position, group in entries:
+            self.ids.append(token)
+            self.pos.append(position)
+            self.groups.append(group)
+        return []
+
+
+@dataclass
+class _Slot:
+    index: int
+    start: int  # generation offset of its first token
+    stop: int  # one past its last offset (before EOS truncation)
+    tokens: Optional[list[int]] = None  # decoded tokens, None while masked
+
+
+class ReFusionDecoder(PerSampleDecoder):
+    name = "refusion"
+
+    def __init__(self, cfg: ReFusionDecoderConfig, tokenizer):
+        super().__init__(cfg, tokenizer)
+        if cfg.mode not in MODES:
+            raise ConfigError(f"config key 'decoder.mode' = {cfg.mode!r}; expected one of {MODES}")
+        if cfg.plan_scope not in PLAN_SCOPES:
+            raise ConfigError(f"config key 'decoder.plan_scope' = {cfg.plan_scope!r}; expected one of {PLAN_SCOPES}")
+        self.plan_threshold = cfg.threshold if cfg.plan_threshold is None else cfg.plan_threshold
+        self.verify_threshold = cfg.threshold if cfg.verify_threshold is None else cfg.verify_threshold
+        for key, value in (("threshold", cfg.threshold), ("plan_threshold", self.plan_threshold),
+                           ("verify_threshold", self.verify_threshold)):
+            if not 0 < value <= 1:
+                raise ConfigError(f"config key 'decoder.{key}' = {value}; thresholds must lie in (0, 1]")
+        if cfg.slot_size is not None and cfg.slot_size < 1:
+            raise ConfigError(f"config key 'decoder.slot_size' = {cfg.slot_size}; must be >= 1")
+        if cfg.block_size is not None and cfg.block_size < 1:
+            raise ConfigError(f"config key 'decoder.block_size' = {cfg.block_size}; must be >= 1")
+        self.greedy = cfg.mode == "greedy"
+        self.sampling = SamplingParams(self.greedy, cfg.temperature, cfg.top_k, cfg.top_p)
+        self.sampling.check()
+
+    def summarize(self, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """Per-run aggregates: mean slots accepted per plan-and-infill step, and the forward mix."""
+        total = {key: sum(r["stats"].get(key, 0) for r in records)
+                 for key in ("steps", "slots_accepted", "wholesale_steps", "plan_forwards", "verify_forwards",
+                             "complete_forwards")}
+        steps = total["steps"]
+        return {
+            "refusion_slots_per_step": total["slots_accepted"] / steps if steps else None,
+            "refusion_wholesale_fraction": total["wholesale_steps"] / steps if steps else None,
+            "refusion_steps_per_sample": steps / len(records) if records else None,
+            **{f"refusion_{key}": total[key] for key in ("plan_forwards", "verify_forwards", "complete_forwards")},
+        }
+
+    # -- distributions ---------------------------------------------------------------------------
+
+    def _probs(self, logits: torch.Tensor, mask_id: int) -> torch.Tensor:
+        """``[n, V]`` logits -> the decoding distribution (``<|mask|>`` excluded), float32."""
+        logits = logits.float().clone()
+        logits[:, mask_id] = float("-inf")
+        if self.greedy:
+            return torch.softmax(logits, -1)
+        return probs_from_logits(logits, self.sampling)
+
+    def _pick(self, probs: torch.Tensor, generator: torch.Generator) -> list[int]:
+        if self.greedy:
+            return probs.argmax(-1).tolist()
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1).tolist()
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def decode_one(self, model, prompt: list[int], eos_token_ids: Collection[int], seed: int) -> DecodeResult:
+        if not prompt:
+            raise ValueError("ReFusion decoding needs at least one prompt token (got an empty prompt)")
+        require_dense_attention(model, "ReFusion decoding")
+        k = resolve_slot_size(model, self.cfg.slot_size)
+        mask_id = mask_token_id(model, self.tokenizer)
+        length = self.cfg.max_new_tokens
+        block = self.cfg.block_size or length
+        if self.cfg.block_size is not None and block % k:
+            raise ConfigError(f"config key 'decoder.block_size' = {block} is not a multiple of the slot size k = {k}")
+        device = model_device(model)
+        generator = torch.Generator(device=device).manual_seed(seed)
+        n_prompt = len(prompt)
+        slots = [_Slot(i, s, min(s + k, length)) for i, s in enumerate(range(0, length, k))]
+        end = length  # target length; shrinks to EOS + 1
+        stats = {"slot_size": k, "steps": 0, "slots_accepted": 0, "wholesale_steps": 0, "plan_forwards": 0,
+                 "verify_forwards": 0, "complete_forwards": 0}
+
+        # 1. Prefill prompt[:-1]; the last prompt token is the first pending token.
+        ctx = _Context(model, prompt[:-1], self.cfg.kv_reuse)
+        pending = ctx.absorb([(prompt[-1], n_prompt - 1, SHARED)])  # (token, position, group) not yet in the cache
+        step_start = len(ctx)
+
+        with LoopTimer(device) as timer:
+            while True:
+                remaining = [s for s in slots if s.tokens is None and s.start < end]
+                if not remaining:
+                    break
+                stats["steps"] += 1
+                current = min(s.start // block for s in remaining)
+                in_block = [s for s in remaining if s.start // block == current]
+                planned = remaining if self.cfg.plan_scope == "all" else in_block
+
+                # 2. Plan: [pending | masks of the planned slots]; drafts and first-token scores.
+                ctx.drop_beyond(n_prompt + end)
+                pending = [p for p in pending if p[1] < n_prompt + end]
+                spans = [(s, list(range(s.start, min(s.stop, end)))) for s in planned]
+                mask_pos = [n_prompt + o for _, offsets in spans for o in offsets]
+                logits = ctx.forward([p[0] for p in pending] + [mask_id] * len(mask_pos),
+                                     [p[1] for p in pending] + mask_pos,
+                                     [p[2] for p in pending] + [SHARED] * len(mask_pos))
+                stats["plan_forwards"] += 1
+                probs = self._probs(logits[len(pending):], mask_id)  # [m, V]
+                tokens = self._pick(probs, generator)  # [m]
+                token_probs = probs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
+                drafts, first_prob, row = {}, {}, 0
+                for s, offsets in spans:
+                    drafts[s.index] = tokens[row: row + len(offsets)]
+                    first_prob[s.index] = token_probs[row]
+                    row += len(offsets)
+                ctx.crop(len(ctx) - len(mask_pos))  # drop the masks, keep the pending tokens
+                ctx.regroup(step_start)  # the previous step's slots contiguous, in generation order
+                pending, step_start = [], len(ctx)
+                selected = [s for s in in_block if first_prob[s.index] > self.plan_threshold]
+                if not selected:
+                    selected = [max(in_block, key=lambda s: first_prob[s.index])]
+
+                # 3. Verify the concatenated drafts in one forward.
+                base_len = len(ctx)
+                ids = [t for s in selected for t in drafts[s.index]]
+                pos = [n_prompt + s.start + j for s in selected for j in range(len(drafts[s.index]))]
+                logits = ctx.forward(ids, pos, [SHARED] * len(ids))
+                stats["verify_forwards"] += 1
+                probs = self._probs(logits, mask_id)  # [q, V]
+                verified, per_slot, row = [], [], 0
+                for s in selected:
+                    draft = drafts[s.index]
+                    p = [first_prob[s.index]] + [float(probs[row + j - 1, draft[j]]) for j in range(1, len(draft))]
+                    ok = [v > self.verify_threshold for v in p]
+                    verified.extend(ok)
+                    per_slot.append(next((j for j, v in enumerate(ok) if not v), len(ok)))
+                    row += len(draft)
+                prefix = next((j for j, v in enumerate(verified) if not v), len(verified))
+                whole, covered = 0, 0
+                for s in selected:
+                    if covered + len(drafts[s.index]) > prefix:
+                        break
+                    covered += len(drafts[s.index])
+                    whole += 1
+
+                if whole:
+                    # 3a. Accept whole slots with this forward's K/V.
+                    ctx.crop(base_len + covered)
+                    done = {s.index: list(drafts[s.index]) for s in selected[:whole]}
+                    stats["wholesale_steps"] += 1
+                else:
+                    # 3b. Truncate to the common verified prefix and complete in parallel.
+                    ctx.crop(base_len)
+                    common = max(1, min(per_slot))
+                    done, pending = self._complete(ctx, selected, drafts, common, n_prompt, end, mask_id,
+                                                   eos_token_ids, generator, stats)
+
+                # 4. Commit; EOS truncates the target length (undecoded slots before it stay).
+                for index, toks in done.items():
+                    slot = slots[index]
+                    eos_at = next((j for j, t in enumerate(toks) if t in eos_token_ids), None)
+                    if eos_at is not None:
+                        toks = toks[: eos_at + 1]
+                        end = min(end, slot.start + eos_at + 1)
+                    slot.tokens = toks
+                    stats["slots_accepted"] += 1
+                pending = ctx.absorb(pending)
+                if not self.cfg.kv_reuse:
+                    ctx.regroup(step_start)  # recompute: completed slots are plain context at once
+                    step_start = len(ctx)
+
+        out: list[int] = []
+        for s in slots:
+            if s.start >= end:
+                break
+            assert s.tokens is not None and len(s.tokens) >= min(s.stop, end) - s.start, "undecoded slot before the end"
+            out.extend(s.tokens[: end - s.start])
+        hit_eos = bool(out) and out[-1] in eos_token_ids
+        return DecodeResult(tokens=out, forwards=sum(stats[f"{p}_forwards"] for p in ("plan", "verify", "complete")),
+                            committed=len(out), wall_time_s=timer.elapsed, hit_eos=hit_eos, stats=stats)
+
+    def _complete(self, ctx: _Context, selected: list[_Slot], drafts: dict[int, list[int]], common: int,
+                  n_prompt: int, end: int, mask_id: int, eos_token_ids: Collection[int],
+                  generator: torch.Generator, stats: dict[str, Any]):
+        """Complete the selected slots from their first ``common`` draft tokens, one forward per round,
+        each slot seeing the context and itself. Returns ``({slot: tokens}, pending tokens)``."""
+        base = len(ctx)
+        seqs = {s.index: list(drafts[s.index][:common]) for s in selected}
+        target = {s.index: min(s.stop, end) - s.start for s in selected}
+
+        def unfinished(s: _Slot) -> bool:
+            toks = seqs[s.index]
+            return len(toks) < target[s.index] and not any(t in eos_token_ids for t in toks)
+
+        feed = [(s, j) for s in selected for j in range(len(seqs[s.index]))]  # round 0: every prefix
+        while any(unfinished(s) for s in selected):
+            logits = ctx.forward([seqs[s.index][j] for s, j in feed], [n_prompt + s.start + j for s, j in feed],
+                                 [s.index for s, _ in feed])
+            stats["complete_forwards"] += 1
+            last_row = {s.index: r for r, (s, _) in enumerate(feed)}  # each slot's last fed token
+            growing = [s for s in selected if unfinished(s) and s.index in last_row]
+            probs = self._probs(logits[[last_row[s.index] for s in growing]], mask_id)  # [g, V]
+            for s, token in zip(growing, self._pick(probs, generator), strict=True):
+                seqs[s.index].append(token)
+            feed = [(s, len(seqs[s.index]) - 1) for s in growing if unfinished(s)]
+        # Tokens never fed (each grown slot's newest; all of them when no round ran) are pending.
+        fed = set(zip(ctx.pos[base:], ctx.groups[base:]))
+        pending = [(t, n_prompt + s.start + j, s.index) for s in selected for j, t in enumerate(seqs[s.index])
+                   if (n_prompt + s.start + j, s.index) not in fed]
+        return seqs, pending

@@ -1,0 +1,117 @@
+"""ReFusion recipe: slot-permuted causal training with a hybrid ARM + MDM loss (SPEC §3).
+
+Per micro-batch (``data_pipelines.refusion_batch``): each sample's answer (response + EOS) is cut
+into slots of a size k drawn from ``recipe.slot_sizes``; some slots are masked (``masking``:
+``count`` = exactly max(1, floor(tK)), the paper; ``bernoulli`` = per slot, the official code); the
+clean slots are permuted and placed before the masked ones, every token at its original position
+id; one forward with the causal-over-buffer mask (``masks.refusion``, always explicit; FlexAttention
+on GPU, never flash-attn's position-id packing); L = L_ARM + lambda * L_MDM (``losses.refusion``,
+``mdm_norm`` = mean | llada).
+
+Randomness: the trainer calls :meth:`begin_step` before each optimiser step; sample i of
+micro-batch m of step t uses the layout seed (``recipe.seed``, t, m, dataset index), so resuming at
+step t rebuilds the same buffers. ``micro_batch_size`` counts samples; they are packed at collate
+time into rows of ``data.pack_length`` tokens (null = ``data.max_length``).
+
+Export: ``pardec.recipe``, ``pardec.mask_token_id`` and ``pardec.slot_size`` (``recipe.export_slot_size``,
+the slot size ``decoder=refusion`` uses by default).
+
+References: ReFusion, arXiv:2512.13586.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+from common.errors import ConfigError
+from data_pipelines.refusion_batch import MASKINGS, build_refusion_batch, layout_seed
+from losses.refusion import MDM_NORMS, refusion_loss
+from methods.base import Method, forward_logits
+from methods.recipe_config import RecipeConfig
+from models.loading import add_mask_token
+
+
+@dataclass
+class ReFusionConfig(RecipeConfig):
+    name: str = "refusion"
+    # Slot sizes k drawn uniformly per sample (one value = fixed k).
+    slot_sizes: List[int] = field(default_factory=lambda: [4, 8, 16, 32])
+    # count (paper / SPEC: exactly max(1, floor(t K)) slots) | bernoulli (official: per slot, p = t)
+    masking: str = "count"
+    # mean (SPEC: token mean over masked tokens) | llada (official: sum CE / p_mask / answer_len / B)
+    mdm_norm: str = "mean"
+    # lambda in L = L_ARM + lambda * L_MDM.
+    mdm_lambda: float = 1.0
+    # The slot size recorded in the export (decoder=refusion's default k).
+    export_slot_size: int = 16
+    # Seeds the per-sample layouts together with the step, micro-batch and dataset index.
+    seed: int = 0
+
+
+class ReFusionMethod(Method):
+    name = "refusion"
+    # The permuted buffer needs an explicit mask: FlexAttention on GPU, never flash-attn varlen.
+    needs_custom_mask = True
+
+    def __init__(self, cfg, tokenizer):
+        super().__init__(cfg, tokenizer)
+        if not cfg.slot_sizes or any(int(k) < 1 for k in cfg.slot_sizes):
+            raise ConfigError(f"config key 'recipe.slot_sizes' = {list(cfg.slot_sizes)}; needs integers >= 1")
+        if cfg.masking not in MASKINGS:
+            raise ConfigError(f"config key 'recipe.masking' = {cfg.masking!r}; expected one of {MASKINGS}")
+        if cfg.mdm_norm not in MDM_NORMS:
+            raise ConfigError(f"config key 'recipe.mdm_norm' = {cfg.mdm_norm!r}; expected one of {MDM_NORMS}")
+        if not cfg.mdm_lambda >= 0:
+            raise ConfigError(f"config key 'recipe.mdm_lambda' = {cfg.mdm_lambda}; must be >= 0")
+        if cfg.export_slot_size < 1:
+            raise ConfigError(f"config key 'recipe.export_slot_size' = {cfg.export_slot_size}; must be >= 1")
+        self.mask_token_id: int | None = None
+        self.pack_length: int | None = None
+        self.step = 0
+        self.micro = 0
+
+    def prepare_model(self, model):
+        self.mask_token_id = add_mask_token(model, self.tokenizer)
+        return model
+
+    def build_train_dataset(self, tokenized, data_cfg, model=None):
+        for key, k in (("recipe.slot_sizes", max(self.cfg.slot_sizes)), ("recipe.export_slot_size", self.cfg.export_slot_size)):
+            if k > data_cfg.max_length:
+                raise ConfigError(
+                    f"config key '{key}' has a slot size {k} larger than data.max_length={data_cfg.max_length}"
+                )
+        self.pack_length = data_cfg.pack_length or data_cfg.max_length
+        if data_cfg.max_length > self.pack_length:
+            raise ConfigError(
+                f"data.pack_length={self.pack_length} < data.max_length={data_cfg.max_length}: a ReFusion sample "
+                "takes as many slots as tokens; raise data.pack_length"
+            )
+        return tokenized.add_column("index", list(range(len(tokenized))))
+
+    def begin_step(self, step: int) -> None:
+        self.step, self.micro = step, 0
+
+    def collate(self, examples):
+        seeds = [layout_seed(self.cfg.seed, self.step, self.micro, int(e["index"])) for e in examples]
+        self.micro += 1
+        return build_refusion_batch(
+            examples,
+            mask_token_id=self.mask_token_id,
+            pack_length=self.pack_length,
+            seeds=seeds,
+            slot_sizes=[int(k) for k in self.cfg.slot_sizes],
+            masking=self.cfg.masking,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
+
+    def loss(self, model, batch):
+        logits = forward_logits(model, batch)  # [r, s, V]
+        total, logs = refusion_loss(
+            logits, batch["labels_arm"], batch["labels_mdm"], mdm_lambda=self.cfg.mdm_lambda,
+            mdm_norm=self.cfg.mdm_norm, mdm_sample=batch["mdm_sample"], mdm_weight=batch["mdm_weight"],
+        )
+        return total, {"loss": total.item(), **logs}
+
+    def export_metadata(self):
+        return {"recipe": self.name, "mask_token_id": self.mask_token_id, "slot_size": self.cfg.export_slot_size}

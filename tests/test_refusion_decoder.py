@@ -1,0 +1,308 @@
+"""ReFusion plan-and-infill decoder on tiny random models: KV reuse vs recomputation, the cache it
+builds vs a forward over the same tokens, EOS inside a selected slot set, valid outputs, bad input."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import inference.decoders.refusion as refusion_module
+from common.constants import MASK_TOKEN
+from common.errors import ConfigError
+from common.metadata import CheckpointMetadata
+from inference.decoders.refusion import ReFusionDecoder, ReFusionDecoderConfig
+from inference.decoders.registry import build_decoder
+from masks.refusion import SHARED
+from tests.conftest import tiny_model, tiny_tokenizer
+
+EOS = 0
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer((MASK_TOKEN,))
+
+
+def converted_model(tokenizer, seed=0, slot_size=4):
+    model = tiny_model(len(tokenizer), seed=seed)
+    CheckpointMetadata(recipe="refusion", mask_token_id=tokenizer.convert_tokens_to_ids(MASK_TOKEN),
+                       slot_size=slot_size).write_to(model)
+    return model
+
+
+PROMPTS = [[3, 5, 7, 9, 11], [4, 4, 12, 20, 6, 8, 2], [13]]
+
+
+class RecordingContext(refusion_module._Context):
+    """Logs every entry it ever held: token, position, iteration (regroups so far), group at the time
+    it was computed, the forward that computed it and the forward before which it was dropped."""
+
+    made: list[RecordingContext] = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.step = self.forwards = 0
+        self.log = [[t, p, -1, SHARED, -1, None] for t, p in zip(self.ids, self.pos)]
+        self.where = list(range(len(self.ids)))  # log index of each current entry
+        RecordingContext.made.append(self)
+
+    def forward(self, ids, pos, groups):
+        self.where = self.where + list(range(len(self.log), len(self.log) + len(ids)))
+        self.log += [[t, p, self.step, g, self.forwards, None] for t, p, g in zip(ids, pos, groups)]
+        out = super().forward(ids, pos, groups)
+        self.forwards += 1
+        return out
+
+    def _died(self, kept):
+        for i in set(range(len(self.where))) - set(kept):
+            self.log[self.where[i]][5] = self.forwards
+
+    def crop(self, length):
+        self._died(range(length))
+        self.where = self.where[:length]
+        super().crop(length)
+
+    def select(self, keep):
+        self._died(keep)
+        self.where = [self.where[i] for i in keep]
+        super().select(keep)
+
+    def regroup(self, start):
+        super().regroup(start)
+        self.step += 1
+
+    def absorb(self, entries):
+        if not self.kv_reuse:  # taken into the context without a forward
+            self.where = self.where + list(range(len(self.log), len(self.log) + len(entries)))
+            self.log += [[t, p, self.step, g, self.forwards, None] for t, p, g in entries]
+        return super().absorb(entries)
+
+
+@pytest.fixture
+def recording(monkeypatch):
+    RecordingContext.made = []
+    monkeypatch.setattr(refusion_module, "_Context", RecordingContext)
+    return RecordingContext.made
+
+
+def decode(model, tokenizer, prompt, seed=0, **cfg):
+    decoder = ReFusionDecoder(ReFusionDecoderConfig(**{"max_new_tokens": 24, **cfg}), tokenizer)
+    return decoder.decode_one(model, prompt, {EOS}, seed)
+
+
+def reference_kv(model, ctx):
+    """K/V of one forward over every entry the context ever held, where entry i sees entry j iff j
+    existed when i was computed and j is from an earlier iteration, or from the same one, in the same
+    group, at a position <= i's. Returned for the entries the context holds now, in its order."""
+    log = ctx.log
+    n = len(log)
+    allowed = torch.zeros(n, n, dtype=torch.bool)
+    for i, j in itertools.product(range(n), range(n)):
+        _, pi, si, gi, bi, _ = log[i]
+        _, pj, sj, gj, bj, dj = log[j]
+        alive = bj <= bi and (dj is None or dj > bi)
+        allowed[i, j] = alive and (sj < si or (sj == si and gj == gi and pj <= pi))
+    mask = torch.zeros(1, 1, n, n).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[e[0] for e in log]]), position_ids=torch.tensor([[e[1] for e in log]]),
+              attention_mask=mask, past_key_values=cache, use_cache=True)
+    index = torch.tensor(ctx.where)
+    return [(layer.keys[:, :, index], layer.values[:, :, index]) for layer in cache.layers]
+
+
+def assert_cache_matches_reference(model, ctx):
+    ref = reference_kv(model, ctx)
+    assert len(ctx.cache.layers) == len(ref)
+    for ours, (keys, values) in zip(ctx.cache.layers, ref, strict=True):
+        torch.testing.assert_close(ours.keys, keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.values, values, atol=1e-5, rtol=1e-5)
+
+
+def assert_valid(result, tokenizer, max_new_tokens=24):
+    mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+    assert mask_id not in result.tokens
+    assert result.committed == len(result.tokens) <= max_new_tokens
+    assert EOS not in result.tokens[:-1]  # nothing after EOS
+    assert result.hit_eos == (bool(result.tokens) and result.tokens[-1] == EOS)
+    if not result.hit_eos:
+        assert len(result.tokens) == max_new_tokens  # no gap: every slot decoded
+    s = result.stats
+    assert result.forwards == s["plan_forwards"] + s["verify_forwards"] + s["complete_forwards"] >= 2
+
+
+# --- KV reuse vs recomputation ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("block_size", [None, 8])
+def test_one_slot_per_step_kv_reuse_equals_recompute(tokenizer, recording, prompt, block_size):
+    """Plan threshold 1 selects the single best slot, verify threshold 1 never accepts wholesale:
+    every step completes one slot, so KV reuse is exact and must equal the recomputation."""
+    model = converted_model(tokenizer)
+    cfg = {"threshold": 1.0, "block_size": block_size}
+    reuse = decode(model, tokenizer, prompt, kv_reuse=True, **cfg)
+    recompute = decode(model, tokenizer, prompt, kv_reuse=False, **cfg)
+    assert reuse.tokens == recompute.tokens
+    assert reuse.forwards == recompute.forwards and reuse.stats == recompute.stats
+    assert reuse.stats["slots_accepted"] == reuse.stats["steps"]
+    ctx = recording[0]
+    assert ctx.kv_reuse
+    assert_cache_matches_reference(model, ctx)
+    # Each slot's entries are contiguous (generation order), at the original positions.
+    gen = [p - len(prompt) for p in ctx.pos if p >= len(prompt)]
+    slots = [g // 4 for g in gen]
+    assert slots == [s for s, _ in itertools.groupby(slots) for _ in range(slots.count(s))]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_parallel_completion_cache_equals_reference(tokenizer, recording, seed):
+    """Every slot of the block selected at once, completed in parallel: each slot's K/V must equal a
+    forward where it sees the context before its step and itself (the paper's approximation)."""
+    model = converted_model(tokenizer, seed=seed)
+    result = decode(model, tokenizer, PROMPTS[seed % len(PROMPTS)], plan_threshold=1e-6, verify_threshold=1.0,
+                    block_size=12)
+    assert_valid(result, tokenizer)
+    assert result.stats["slots_accepted"] > result.stats["steps"]  # parallel slots happened
+    assert result.stats["complete_forwards"] > 0
+    assert_cache_matches_reference(model, recording[0])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_wholesale_acceptance_cache_equals_reference(tokenizer, recording, seed):
+    """Thresholds close to 0: every draft verifies, whole slots are accepted from the verify forward."""
+    model = converted_model(tokenizer, seed=seed)
+    result = decode(model, tokenizer, PROMPTS[seed], threshold=1e-9, block_size=8)
+    assert_valid(result, tokenizer)
+    assert result.stats["wholesale_steps"] == result.stats["steps"] and result.stats["complete_forwards"] == 0
+    assert result.forwards == 2 * result.stats["steps"]
+    assert_cache_matches_reference(model, recording[0])
+
+
+def test_recompute_context_holds_the_output_in_position_order(tokenizer, recording):
+    """kv_reuse=false keeps no cache; its context (recomputed every forward) holds every committed
+    token at its own position, so the output read in position order is the decoded text."""
+    model = converted_model(tokenizer, seed=3)
+    result = decode(model, tokenizer, PROMPTS[0], plan_threshold=1e-6, verify_threshold=1.0, block_size=12,
+                    kv_reuse=False)
+    assert_valid(result, tokenizer)
+    ctx = recording[0]
+    assert ctx.cache is None
+    by_pos = dict(zip(ctx.pos, ctx.ids))
+    assert [by_pos[len(PROMPTS[0]) + j] for j in range(len(result.tokens))] == result.tokens
+
+
+# --- EOS ------------------------------------------------------------------------------------------
+
+
+class EOSAt(torch.nn.Module):
+    """Wraps a model: a ``<|mask|>`` query at ``position`` predicts EOS with near certainty."""
+
+    def __init__(self, inner, mask_id: int, position: int):
+        super().__init__()
+        self.inner, self.mask_id, self.position = inner, mask_id, position
+        self.config = inner.config
+
+    @property
+    def dtype(self):
+        return self.inner.dtype
+
+    def forward(self, input_ids, position_ids, **kwargs):
+        out = self.inner(input_ids=input_ids, position_ids=position_ids, **kwargs)
+        q = out.logits.shape[1]
+        hit = (input_ids[:, -q:] == self.mask_id) & (position_ids[:, -q:] == self.position)  # [b, q]
+        boost = torch.full((out.logits.shape[-1],), -20.0)
+        boost[EOS] = 20.0
+        out.logits[hit] = boost.to(out.logits)
+        return out
+
+
+@pytest.mark.parametrize("kv_reuse", [True, False])
+@pytest.mark.parametrize("plan_threshold", [0.9, 1e-6])
+def test_eos_inside_the_selected_slots_keeps_every_slot_before_it(tokenizer, kv_reuse, plan_threshold):
+    """EOS drafted as the first token of slot 2 (offset 8, k = 4). With plan threshold 0.9 only that
+    slot is selected (slots 0 and 1 are still masked when EOS is committed); with 1e-6 the whole
+    block is selected and completed in parallel. Either way slots 0 and 1 must be decoded: the
+    output is exactly 9 tokens (8 + EOS), no gap."""
+    mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+    prompt = PROMPTS[0]
+    model = EOSAt(converted_model(tokenizer, seed=4), mask_id, len(prompt) + 8)
+    result = decode(model, tokenizer, prompt, plan_threshold=plan_threshold, verify_threshold=1.0,
+                    kv_reuse=kv_reuse)
+    assert result.hit_eos and len(result.tokens) == 9 and result.tokens[-1] == EOS
+    assert_valid(result, tokenizer)
+    if plan_threshold == 0.9:
+        # The first step decoded slot 2 alone; slots 0 and 1 came after it.
+        assert result.stats["steps"] >= 3 and result.stats["slots_accepted"] == result.stats["steps"]
+
+
+# --- valid outputs over a grid of settings ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sample"])
+@pytest.mark.parametrize("kv_reuse", [True, False])
+@pytest.mark.parametrize("plan_scope", ["all", "block"])
+def test_outputs_are_valid(tokenizer, mode, kv_reuse, plan_scope):
+    model = converted_model(tokenizer, seed=5)
+    for prompt, (threshold, block, k, length) in itertools.product(
+        PROMPTS, [(0.05, None, 4, 24), (0.3, 8, 4, 21), (0.01, 6, 3, 17), (1.0, 5, 5, 13)]
+    ):
+        result = decode(model, tokenizer, prompt, threshold=threshold, block_size=block, slot_size=k,
+                        max_new_tokens=length, mode=mode, temperature=1.5, kv_reuse=kv_reuse, plan_scope=plan_scope)
+        assert_valid(result, tokenizer, length)
+
+
+def test_sampling_is_seeded(tokenizer):
+    model = converted_model(tokenizer, seed=6)
+    a = decode(model, tokenizer, PROMPTS[1], mode="sample", threshold=0.05, seed=11)
+    b = decode(model, tokenizer, PROMPTS[1], mode="sample", threshold=0.05, seed=11)
+    c = [decode(model, tokenizer, PROMPTS[1], mode="sample", threshold=0.05, seed=s).tokens for s in range(5)]
+    assert a.tokens == b.tokens and len({tuple(t) for t in c}) > 1
+
+
+def test_registry_builds_it_and_summarize_aggregates(tokenizer):
+    model = converted_model(tokenizer, seed=7)
+    decoder = build_decoder({"name": "refusion", "max_new_tokens": 16, "threshold": 0.05}, tokenizer)
+    results = decoder.decode(model, PROMPTS, {EOS}, [0, 1, 2])
+    records = [{"stats": r.stats, "forwards": r.forwards} for r in results]
+    summary = decoder.summarize(records)
+    steps = sum(r.stats["steps"] for r in results)
+    assert summary["refusion_slots_per_step"] == pytest.approx(sum(r.stats["slots_accepted"] for r in results) / steps)
+    assert summary["refusion_plan_forwards"] == steps
+
+
+# --- bad input gets a named error ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key,value", [("threshold", 0.0), ("threshold", 1.5), ("plan_threshold", -0.1),
+                                       ("verify_threshold", 2.0)])
+def test_thresholds_outside_unit_interval(tokenizer, key, value):
+    with pytest.raises(ConfigError, match=rf"decoder.{key}.*\(0, 1\]"):
+        ReFusionDecoder(ReFusionDecoderConfig(**{key: value}), tokenizer)
+
+
+def test_checkpoint_without_mask_token(tokenizer):
+    model = tiny_model(len(tokenizer))  # plain AR: no pardec record
+    with pytest.raises(ConfigError, match="mask_token_id"):
+        decode(model, tokenizer, PROMPTS[0], slot_size=4)
+
+
+def test_checkpoint_without_slot_size(tokenizer):
+    model = tiny_model(len(tokenizer))
+    CheckpointMetadata(mask_token_id=tokenizer.convert_tokens_to_ids(MASK_TOKEN)).write_to(model)
+    with pytest.raises(ConfigError, match="decoder.slot_size.*pardec.slot_size"):
+        decode(model, tokenizer, PROMPTS[0])
+
+
+def test_block_not_a_multiple_of_the_slot(tokenizer):
+    with pytest.raises(ConfigError, match="decoder.block_size.*multiple"):
+        decode(converted_model(tokenizer), tokenizer, PROMPTS[0], block_size=6)
+
+
+@pytest.mark.parametrize("key,value", [("mode", "beam"), ("plan_scope", "half"), ("slot_size", 0)])
+def test_bad_choices(tokenizer, key, value):
+    with pytest.raises(ConfigError, match=f"decoder.{key}"):
+        ReFusionDecoder(ReFusionDecoderConfig(**{key: value}), tokenizer)
