@@ -16,9 +16,8 @@ MDM was converted from. Columns:
 * TPS / MDM baseline (the low-confidence row at one token per step) and TPS / base AR greedy.
 
 ``--split test`` (default): the first ``--num-samples`` problems of the synthetic test split.
-``--split val``: tuning problems taken from the *train* split at indices the MDM never trained on
-(its ``trainer.max_steps`` x ``micro_batch_size`` samples, recomputed with the trainer's data
-order from the run's ``config.yaml``), so tuning never sees the test problems.
+``--split val``: tuning problems drawn from the *train* generator beyond the problems the MDM
+trained on (see :func:`val_rows`), so tuning never sees the test problems.
 
 Writes ``benchmarks/results/mdm_flashdlm.{md,json}`` (``--out``).
 """
@@ -39,7 +38,6 @@ from data_pipelines.config import DataConfig
 from data_pipelines.sources import load_raw_split
 from inference.checkpoint import load_checkpoint
 from inference.evaluate import evaluate
-from trainers.data_order import DataOrder
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -83,15 +81,24 @@ def rows_config(args) -> list[tuple[str, str, str, dict | None]]:
 
 
 def val_rows(mdm_dir: Path, num: int):
-    """``num`` train-split problems the MDM never saw: indices outside its training data order."""
+    """``num`` train-split problems the MDM never trained on.
+
+    The embedded generator draws the train split sequentially from one seeded stream, so asking it
+    for ``num_train + extra`` problems reproduces the training problems as the prefix (checked) and
+    appends new ones; those new problems whose prompt does not occur in the training problems form
+    the tuning set. (With ``data.max_train_samples`` set, the unused tail of the split would do too.)
+    """
     run_cfg = OmegaConf.load(mdm_dir.parent / "config.yaml")
     data_cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), run_cfg.data)
-    train = load_raw_split(data_cfg, "train")
-    t = run_cfg.trainer
-    order = DataOrder(len(train), t.micro_batch_size, t.grad_accum, 1, 0, t.seed)
-    seen = {i for step in range(t.max_steps) for batch in order.micro_batches(step) for i in batch}
-    unseen = [i for i in range(len(train)) if i not in seen]
-    return train.select(unseen[:num])
+    trained = load_raw_split(data_cfg, "train")
+    data_cfg.synthetic.num_train = data_cfg.synthetic.num_train + 4 * num
+    data_cfg.max_train_samples = None
+    extended = load_raw_split(data_cfg, "train")
+    if extended.select(range(len(trained)))["prompt"] != trained["prompt"]:
+        raise RuntimeError("the extended train split does not start with the training problems")
+    seen = set(trained["prompt"])
+    fresh = [i for i in range(len(trained), len(extended)) if extended[i]["prompt"] not in seen]
+    return extended.select(fresh[:num])
 
 
 def main() -> None:
