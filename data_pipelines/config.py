@@ -30,6 +30,11 @@ class DataConfig:
     packing: bool = True
     # Row length when packing; null = max_length.
     pack_length: Optional[int] = None
+    # Largest fraction of a split's tokens that may be the tokenizer's unknown token (a tokenizer
+    # that does not cover the text, e.g. non-ASCII text with a word-level vocabulary); above it
+    # tokenisation fails naming the split, the rate and a row. null = no check (the rate is still
+    # logged). Not counted for tokenizers without an unknown token (byte-level BPE).
+    max_unk_rate: Optional[float] = 0.01
     num_proc: int = 1
     max_train_samples: Optional[int] = None
     max_eval_samples: Optional[int] = None

@@ -4,25 +4,24 @@ Checks, in order, each failing with :class:`CheckpointError` naming the offendin
 the directory exists; it has ``config.json`` and weights (``model.safetensors``, a sharded
 ``model.safetensors.index.json``, or ``pytorch_model.bin``[``.index.json``]); every safetensors
 file has a readable header and a data section of the declared size (a truncated file is named);
-the tokenizer loads; the tokenizer does not produce ids beyond the model's embedding table; and a
-``pardec.mask_token_id`` recorded in ``config.json`` is the tokenizer's ``<|mask|>`` id.
+it has tokenizer files (:data:`models.loading.TOKENIZER_FILES`: without them transformers builds
+an empty tokenizer); the tokenizer loads; the tokenizer does not produce ids beyond the model's
+embedding table; and a ``pardec.mask_token_id`` recorded in ``config.json`` is the tokenizer's
+``<|mask|>`` id. The file checks are :func:`models.loading.check_checkpoint_files` and
+:func:`models.loading.check_tokenizer_files`, the ones training runs on ``model.path``.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch.utils.hooks import RemovableHandle
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.errors import CheckpointError
 from common.metadata import CheckpointMetadata
-from models.loading import check_tokenizer_matches, resolve_dtype
-
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+from models.loading import check_checkpoint_files, check_tokenizer_files, check_tokenizer_matches, resolve_dtype
 
 
 def resolve_device(device: str) -> torch.device:
@@ -43,6 +42,7 @@ def load_checkpoint(
     """``(model, tokenizer)`` from ``path``; the model is in eval mode on the resolved device."""
     path = Path(path)
     check_checkpoint_files(path)
+    check_tokenizer_files(path)
     torch_device = resolve_device(device)
     kwargs = {"dtype": resolve_dtype(dtype, torch_device.type == "cuda", key="dtype")}
     if attn_implementation != "auto":
@@ -84,42 +84,3 @@ def forbid_output_token(model, token_id: int) -> RemovableHandle:
         return output
 
     return model.register_forward_hook(hook)
-
-
-def check_checkpoint_files(path: Path) -> None:
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory not found: {path}")
-    if not (path / "config.json").is_file():
-        raise CheckpointError(f"no config.json in checkpoint directory {path}")
-    present = [name for name in _WEIGHT_FILES if (path / name).is_file()]
-    if not present:
-        raise CheckpointError(f"no model weights in {path}: expected one of {list(_WEIGHT_FILES)}")
-    for file in _safetensors_files(path, present):
-        _check_safetensors(file)
-
-
-def _safetensors_files(path: Path, present: list[str]) -> list[Path]:
-    if "model.safetensors" in present:
-        return [path / "model.safetensors"]
-    if "model.safetensors.index.json" in present:
-        index = path / "model.safetensors.index.json"
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, AttributeError) as err:
-            raise CheckpointError(f"corrupt weight index {index}: {err}") from err
-        missing = [s for s in shards if not (path / s).is_file()]
-        if missing:
-            raise CheckpointError(f"weight shards listed in {index} are missing: {missing}")
-        return [path / s for s in shards]
-    return []
-
-
-def _check_safetensors(file: Path) -> None:
-    """Open the header and check the data section is as long as the tensors it declares."""
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            keys = list(f.keys())
-    except Exception as err:  # safetensors raises its own SafetensorError, not exported stably
-        raise CheckpointError(f"corrupt or truncated weights file {file}: {err}") from err
-    if not keys:
-        raise CheckpointError(f"weights file {file} contains no tensors (an empty export?)")

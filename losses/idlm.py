@@ -4,8 +4,14 @@ References: Introspective Diffusion Language Models (I-DLM), arXiv:2604.11035, �
 
 Labels come from ``data_pipelines.idlm_batch`` (logit shift already applied, ``-100`` = ignored):
 
-* L_mask: CE summed over the x_t slots whose target is an answer token, divided by their number,
-  which is the number of answer tokens (the decode pathway, q);
+* L_mask: CE summed over the supervised x_t slots (the decode pathway, q), divided by the number
+  of answer tokens (SPEC §1), i.e. the number of x_0 slots with an answer target. Decision: this
+  denominator is the same whether or not the batch builder supervises the last prompt token's x_t
+  slot (``supervise_last_prompt_slot``): with it, the x_t targets are exactly the answer tokens
+  and L_mask is their token mean; without it (the default, SPEC/official code), the x_t stream has
+  one target fewer per sample (the clean anchor at P - 1) and L_mask is that sum over the answer
+  count, so both settings weight each ``<|mask|>`` target identically and differ only by the anchor
+  terms;
 * L_clean: token-mean CE over the x_0 slots with answer targets (the introspection pathway, p);
 * s: a fixed ``clean_scale`` α (0.2 in the first stride expansions) or ``"auto"``:
   s = L_mask.detach() / (L_clean.detach() + 1e-8), a constant per step (no gradient through s).
@@ -41,11 +47,19 @@ def idlm_loss(
         )
     auto = _check_scale(clean_scale)
 
-    # 1. Decode pathway: CE on x_t slots whose (shifted) target is an answer token.
-    l_mask, _ = token_mean_cross_entropy(logits, labels_mask_stream)  # []
-
-    # 2. Introspection pathway: CE on x_0 slots with answer targets (the AR objective).
+    # 1. Introspection pathway: CE on x_0 slots with answer targets (the AR objective); n_clean is
+    #    the number of answer tokens.
     l_clean, n_clean = token_mean_cross_entropy(logits, labels_clean_stream)  # []
+
+    # 2. Decode pathway: CE summed over the supervised x_t slots, divided by the answer count.
+    l_mask, n_mask = token_mean_cross_entropy(logits, labels_mask_stream)  # []
+    if n_mask > n_clean:
+        raise ValueError(
+            f"labels_mask_stream has {n_mask} targets but labels_clean_stream only {n_clean} answer targets; "
+            "x_t targets must be a subset of the answer targets (build them with data_pipelines.idlm_batch)"
+        )
+    if n_mask != n_clean:
+        l_mask = l_mask * (n_mask / n_clean)  # sum / n_answer_tokens  []
 
     # 3. Scale of the clean term: fixed α, or the detached loss ratio (auto-balance).
     scale = l_mask.detach() / (l_clean.detach() + 1e-8) if auto else float(clean_scale)  # [] or float

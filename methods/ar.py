@@ -29,6 +29,10 @@ class ARConfig(RecipeConfig):
 class ARMethod(Method):
     name = "ar"
 
+    @property
+    def trains_on_responses(self) -> bool:
+        return self.cfg.train_on != "all"  # all: prompts are targets too (plain pre-training text)
+
     def build_train_dataset(self, tokenized, data_cfg, model=None):
         if self.cfg.train_on not in ("response", "all"):
             raise ValueError(f"config key 'recipe.train_on' = {self.cfg.train_on!r}; expected response or all")

@@ -44,6 +44,20 @@ class Method(ABC):
         """Examples the collator consumes. Default: the tokenised dataset as is."""
         return tokenized
 
+    def max_positions(self, data_cfg) -> tuple[int, str]:
+        """The most positions one training sample can use (its largest position id + 1) and the
+        config keys that set it; the trainer refuses at start a base model with fewer
+        (``models.loading.check_max_positions``). Positions, not slots: packing restarts positions
+        at 0 per sample and I-DLM's ``[x_t | x_0]`` repeats positions 0..L-1, so the default is
+        ``data.max_length`` whatever ``data.pack_length`` is."""
+        return data_cfg.max_length, f"data.max_length={data_cfg.max_length}"
+
+    @property
+    def trains_on_responses(self) -> bool:
+        """True when the loss targets are the responses' tokens: a training set whose every
+        response is empty (EOS-only targets) is then refused by ``tokenize_dataset``."""
+        return True
+
     def begin_step(self, step: int) -> None:
         """Called by the trainer before collating the micro-batches of optimiser step ``step``
         (0-based). Methods whose batches are random (ReFusion's slot masking) seed them from it,

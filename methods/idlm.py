@@ -5,6 +5,10 @@ sets N and the block size is derived. The stride curriculum N=2 -> 3 (fixed alph
 (auto-balanced) is the stage list of ``recipes/recipe/idlm.yaml``; each stage starts from the
 previous stage's export.
 
+L_mask supervises the ``<|mask|>`` x_t slots; ``recipe.supervise_last_prompt_slot=true`` also
+supervises the last prompt token's (clean) x_t slot (off by default, SPEC §1; the decision is
+written in :mod:`data_pipelines.idlm_batch`).
+
 ``micro_batch_size`` counts *samples* here: each micro-batch's samples are packed at collate time
 into rows of ``data.pack_length`` slots, each sample taking 2L slots.
 
@@ -31,6 +35,9 @@ class IDLMConfig(RecipeConfig):
     stride: int = 4
     # Fixed weight alpha of L_clean, or null for auto-balance s = L_mask / L_clean (detached).
     alpha: Optional[float] = None
+    # Also make the last prompt token's x_t slot (clean, equal to the causal anchor) an L_mask target.
+    # Off = SPEC §1 / the official code (L_mask on <|mask|> slots only); see data_pipelines.idlm_batch.
+    supervise_last_prompt_slot: bool = False
 
 
 class IDLMMethod(Method):
@@ -69,6 +76,7 @@ class IDLMMethod(Method):
             block_size=self.block_size,
             pack_length=self.pack_length,
             pad_token_id=self.tokenizer.pad_token_id,
+            supervise_last_prompt_slot=self.cfg.supervise_last_prompt_slot,
         )
 
     def loss(self, model, batch):

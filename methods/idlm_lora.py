@@ -15,6 +15,8 @@ N - 1 for stride N); the difference is what trains (SPEC §1, "R-ISD with gated 
   positions, so L_clean has no gradient w.r.t. the LoRA: the recipe trains on L_mask alone, which
   is exactly the inherited I-DLM loss with a fixed ``alpha`` = 0 (``recipe.alpha`` must stay 0);
   L_clean (the base's own AR loss on the answers, constant up to the data) is still logged.
+  ``recipe.supervise_last_prompt_slot`` (inherited) changes no gradient here: that x_t slot is a
+  clean input (gate 0), so it only adds a constant to the logged L_mask (same denominator).
 
 Defaults follow the paper's lossless configuration (Table 7: stride N = 3, LoRA r = 128; App. H:
 lr 2e-4 on the same data). ``lora_alpha`` is not given in the paper; alpha = r (scale 1) here.

@@ -142,6 +142,21 @@ class JacobiForcingMethod(Method):
             greedy_atol=self.cfg.greedy_atol,
         )
 
+    def max_positions(self, data_cfg) -> tuple[int, str]:
+        """A prompt of at most ``data.max_length - 1`` tokens (a tokenised sample keeps at least its
+        EOS after the prompt), then ``ceil(max_new_tokens / n)`` whole blocks of n positions (the
+        noisy and clean copies of a block share them), in collection and in training alike."""
+        n = self.cfg.block_size
+        generated = -(-self.cfg.max_new_tokens // n) * n
+        return data_cfg.max_length - 1 + generated, (
+            f"data.max_length={data_cfg.max_length} (prompts) + recipe.max_new_tokens={self.cfg.max_new_tokens} "
+            f"(in whole blocks of recipe.block_size={n}: {generated})"
+        )
+
+    @property
+    def trains_on_responses(self) -> bool:
+        return False  # prompts only: the targets are the model's own trajectories
+
     def collect_prompts(self, tokenized) -> list[list[int]]:
         """The prompt ids to collect from: tokenised training rows [prompt_start, prompt_start + num_prompts)."""
         prompts = [ids[:p] for ids, p in zip(tokenized["input_ids"], tokenized["prompt_len"])]

@@ -12,6 +12,7 @@ _RECIPES = {
     "idlm": "methods.idlm:IDLMMethod:IDLMConfig",
     "idlm_lora": "methods.idlm_lora:IDLMLoraMethod:IDLMLoraConfig",
     "jacobi_forcing": "methods.jacobi_forcing:JacobiForcingMethod:JacobiForcingConfig",
+    "mdm": "methods.mdm:MDMMethod:MDMConfig",
     "refusion": "methods.refusion:ReFusionMethod:ReFusionConfig",
 }
 

@@ -4,14 +4,24 @@ A model comes either from a local Hugging Face checkpoint (``model.path``) or fr
 config (``model.config``, a dict with ``model_type``) for tiny random models. The tokenizer comes
 from ``model.tokenizer``, else ``model.path``; ``synthetic`` builds the embedded default's tokenizer
 (offline, deterministic).
+
+Checked before anything is loaded, each failing with an error naming the key and the file: a
+checkpoint directory's files (:func:`check_checkpoint_files`: config, weights, a truncated
+safetensors file) and tokenizer files (:func:`check_tokenizer_files`), used by training
+(``model.path``) and by ``inference.checkpoint`` alike; and the positions a method's samples use
+against the base model's ``max_position_embeddings`` (:func:`check_max_positions`, at the start of
+training, from the model's config alone).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
+from safetensors import safe_open
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from common.constants import MASK_TOKEN, METADATA_KEY
@@ -20,6 +30,13 @@ from common.metadata import CheckpointMetadata
 
 log = logging.getLogger(__name__)
 
+WEIGHT_FILES = (
+    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"
+)
+# A tokenizer directory needs its vocabulary in one of these files (or a ``*.tiktoken`` file);
+# without one, transformers 5 builds an empty tokenizer from config.json alone, which encodes
+# every text to no ids at all.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tekken.json")
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,6 +98,7 @@ def load_tokenizer(model_cfg, data_cfg) -> PreTrainedTokenizerBase:
         raise ConfigError("config key 'model.tokenizer' is required with model.config (e.g. model.tokenizer=synthetic)")
     if not Path(source).is_dir():
         raise ConfigError(f"tokenizer directory not found: {source} (config key 'model.tokenizer' or 'model.path')")
+    check_tokenizer_files(Path(source), "model.tokenizer" if model_cfg.tokenizer else "model.path")
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=model_cfg.trust_remote_code)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
@@ -92,13 +110,15 @@ def load_tokenizer(model_cfg, data_cfg) -> PreTrainedTokenizerBase:
 def load_model(model_cfg, tokenizer, dtype: torch.dtype, attn_implementation: str):
     if model_cfg.path is not None:
         path = Path(model_cfg.path)
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"model.path={model_cfg.path}: no config.json there (expected a local HF checkpoint directory)")
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=model_cfg.trust_remote_code
-        )
+        check_checkpoint_files(path, "model.path")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=model_cfg.trust_remote_code
+            )
+        except (OSError, ValueError, RuntimeError) as err:
+            raise CheckpointError(f"model.path={path}: could not load the model: {err}") from err
     else:
-        kwargs = dict(model_cfg.config)
+        kwargs = _config_kwargs(model_cfg)
         model_type = kwargs.pop("model_type", None)
         if model_type is None:
             raise ConfigError("config key 'model.config.model_type' is required for a model built from a config")
@@ -113,6 +133,62 @@ def load_model(model_cfg, tokenizer, dtype: torch.dtype, attn_implementation: st
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model
+
+
+def max_positions(model_cfg) -> tuple[int | None, str]:
+    """The base model's position limit, read from its config alone (no weights are loaded), and
+    where it comes from. The limit is ``max_position_embeddings``; with a RoPE scaling of a type
+    other than ``default`` (YaRN, linear, dynamic, ...) it is ``factor`` times the original
+    length, which is what the scaling is configured for. ``None`` when the config has no limit."""
+    if model_cfg.path is not None:
+        path = Path(model_cfg.path)
+        check_checkpoint_files(path, "model.path")  # at start: a truncated model.path is named here
+        try:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+        except (OSError, ValueError, KeyError) as err:
+            raise CheckpointError(f"model.path={path}: could not read {path / 'config.json'}: {err}") from err
+        where = f"max_position_embeddings of {path / 'config.json'}"
+    else:
+        kwargs = _config_kwargs(model_cfg)
+        model_type = kwargs.pop("model_type", None)
+        if model_type is None:
+            raise ConfigError("config key 'model.config.model_type' is required for a model built from a config")
+        config = AutoConfig.for_model(model_type, **kwargs)
+        where = "model.config.max_position_embeddings"
+        if "max_position_embeddings" not in kwargs:
+            where += f" ({model_type} default)"
+    limit = getattr(config, "max_position_embeddings", None)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    scaled = isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) not in (None, "default")
+    if limit is not None and scaled:
+        factor = rope.get("factor")
+        if factor:
+            limit = max(limit, int(factor * rope.get("original_max_position_embeddings", limit)))
+            where += f" x rope factor {factor}"
+    return limit, where
+
+
+def check_max_positions(model_cfg, positions: int, source: str) -> None:
+    """Refuse at start a run whose samples would use position ids at or beyond the base model's
+    limit (:func:`max_positions`): such positions were never trained and train silently otherwise.
+    ``positions``: the most positions one training sample can use (largest position id + 1), set by
+    the config keys ``source`` names (see ``methods.base.Method.max_positions``)."""
+    limit, where = max_positions(model_cfg)
+    if limit is None:
+        log.warning("the model config has no max_position_embeddings: sample lengths are not checked against it")
+        return
+    if positions > limit:
+        raise ConfigError(
+            f"{source} lets a training sample use position ids up to {positions - 1}, but {where} = {limit}: "
+            "lower data.max_length (or the method's lengths) to fit the base model's positions"
+        )
+
+
+def _config_kwargs(model_cfg) -> dict:
+    """``model.config`` as plain Python (nested values such as ``rope_scaling`` included:
+    transformers' config classes reject an OmegaConf node)."""
+    config = model_cfg.config
+    return OmegaConf.to_container(config, resolve=True) if OmegaConf.is_config(config) else dict(config)
 
 
 def check_tokenizer_matches(model, tokenizer, where: str) -> None:
@@ -165,3 +241,61 @@ def mask_token_id(model, tokenizer=None) -> int:
         if tok_id != recorded or tok_id == tokenizer.unk_token_id:
             raise ConfigError(f"mask token mismatch: config records {recorded}, tokenizer maps {MASK_TOKEN} to {tok_id}")
     return recorded
+
+
+def check_checkpoint_files(path: Path, key: str | None = None) -> None:
+    """A Hugging Face checkpoint directory has ``config.json`` and weights (``model.safetensors``, a
+    sharded ``model.safetensors.index.json``, or ``pytorch_model.bin``[``.index.json``]), and every
+    safetensors file has a readable header with tensors (a truncated file is named). The one file
+    check of training (``model.path``) and validation (``inference.checkpoint``);
+    :class:`CheckpointError` naming the file, prefixed with the config ``key`` when given."""
+    prefix = f"{key}={path}: " if key else ""
+    if not path.is_dir():
+        raise CheckpointError(f"{prefix}checkpoint directory not found: {path}")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{prefix}no config.json in checkpoint directory {path}")
+    present = [name for name in WEIGHT_FILES if (path / name).is_file()]
+    if not present:
+        raise CheckpointError(f"{prefix}no model weights in {path}: expected one of {list(WEIGHT_FILES)}")
+    for file in _safetensors_files(path, present, prefix):
+        _check_safetensors(file, prefix)
+
+
+def check_tokenizer_files(path: Path, key: str | None = None) -> None:
+    """``path`` holds a tokenizer vocabulary (one of :data:`TOKENIZER_FILES` or a ``*.tiktoken``
+    file); :class:`CheckpointError` naming the directory and the files expected otherwise (a model
+    export without its tokenizer would otherwise load as an empty tokenizer)."""
+    if any((path / name).is_file() for name in TOKENIZER_FILES) or any(path.glob("*.tiktoken")):
+        return
+    prefix = f"{key}={path}: " if key else ""
+    raise CheckpointError(
+        f"{prefix}no tokenizer files in {path}: expected one of {list(TOKENIZER_FILES)} (or a *.tiktoken file); "
+        "save the tokenizer there (tokenizer.save_pretrained) or point to a tokenizer directory"
+    )
+
+
+def _safetensors_files(path: Path, present: list[str], prefix: str) -> list[Path]:
+    if "model.safetensors" in present:
+        return [path / "model.safetensors"]
+    if "model.safetensors.index.json" in present:
+        index = path / "model.safetensors.index.json"
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as err:
+            raise CheckpointError(f"{prefix}corrupt weight index {index}: {err}") from err
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise CheckpointError(f"{prefix}weight shards listed in {index} are missing: {missing}")
+        return [path / s for s in shards]
+    return []
+
+
+def _check_safetensors(file: Path, prefix: str) -> None:
+    """Open the header and check the data section is as long as the tensors it declares."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            keys = list(f.keys())
+    except Exception as err:  # safetensors raises its own SafetensorError, not exported stably
+        raise CheckpointError(f"{prefix}corrupt or truncated weights file {file}: {err}") from err
+    if not keys:
+        raise CheckpointError(f"{prefix}weights file {file} contains no tensors (an empty export?)")

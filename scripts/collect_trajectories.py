@@ -34,7 +34,7 @@ from data_pipelines.jacobi_trajectories import collect_trajectories, load_trajec
 from data_pipelines.sources import load_raw_split
 from data_pipelines.tokenize import tokenize_dataset
 from methods.registry import build_method
-from models.loading import load_model, load_tokenizer, resolve_attn_implementation, resolve_dtype
+from models.loading import check_max_positions, load_model, load_tokenizer, resolve_attn_implementation, resolve_dtype
 from scripts.train import _quiet_non_main_ranks
 from trainers.config import register_schema, validate_train_config
 
@@ -48,9 +48,11 @@ def collect(cfg: DictConfig) -> Path:
     on_gpu = dist_info.device.type == "cuda"
     tokenizer = load_tokenizer(cfg.model, cfg.data)
     method = build_method(cfg.recipe, tokenizer)
+    check_max_positions(cfg.model, *method.max_positions(cfg.data))
     if not dist_info.is_main:
         barrier()
-    tokenized = tokenize_dataset(load_raw_split(cfg.data, "train"), tokenizer, cfg.data, "train")
+    tokenized = tokenize_dataset(load_raw_split(cfg.data, "train"), tokenizer, cfg.data, "train",
+                                 method.trains_on_responses)
     if dist_info.is_main:
         barrier()
     attn = resolve_attn_implementation(cfg.model.attn_implementation, on_gpu, needs_custom_mask=False)

@@ -8,6 +8,9 @@ Examples:
 
 Launch with torchrun, never the ``deepspeed`` launcher (its ``--local_rank`` argument breaks Hydra).
 Only rank 0 writes Hydra's files in the run directory (``output_dir``).
+Exit status: 0 when training finished (or stopped at ``trainer.stop_after_steps``), ``PREEMPTED_EXIT_CODE``
+(75, ``trainers/preemption.py``) when a signal or a stop file made it checkpoint and stop: run it again
+to resume.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from omegaconf import DictConfig
 
 from common.errors import ConfigError, PardecError
 from trainers.config import register_schema, validate_train_config
+from trainers.preemption import PREEMPTED_EXIT_CODE
 
 register_schema()
 
@@ -45,6 +49,8 @@ def main(cfg: DictConfig) -> None:
     if os.environ.get("RANK", "0") == "0":
         where = f", Hugging Face export: {result.export_dir}" if result.export_dir else ""
         print(f"training {result.status} at step {result.step} ({result.train_seconds:.0f} s of training steps){where}")
+    if result.status == "preempted":
+        sys.exit(PREEMPTED_EXIT_CODE)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from common.distributed import init_distributed, shutdown
 from common.errors import CheckpointError, ConfigError, DataError
 from data_pipelines.sources import load_raw_split
+from data_pipelines.tokenize import check_prompt_unknown_rate
 from inference.checkpoint import load_checkpoint
 from inference.config import ValidateConfig, validate_validate_config
 from inference.decoders.registry import auxiliary_checkpoints
@@ -51,6 +52,7 @@ def main(cfg: DictConfig) -> None:
             for field, path in auxiliary_checkpoints(cfg.decoder).items()
         }
         eval_set = load_raw_split(cfg.data, "eval")
+        check_prompt_unknown_rate(eval_set, tokenizer, cfg.data, "eval")
         result = evaluate(
             model,
             tokenizer,

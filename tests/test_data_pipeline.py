@@ -43,7 +43,8 @@ def raw(prompts, responses):
 def test_tokenization_matches_separate_encoding(tokenizer):
     prompts = ["Question: Tom has 3 apples.\nAnswer:", "Question: Ann has 12 pens.\nAnswer:"]
     responses = [" Tom has 3 apples.\n#### 3", " Ann has 12 pens.\n#### 12"]
-    out = tokenize_dataset(raw(prompts, responses), tokenizer, data_cfg())
+    # words outside the synthetic vocabulary (Ann, pens, a, b) encode as <|unk|>: not what is tested
+    out = tokenize_dataset(raw(prompts, responses), tokenizer, data_cfg(max_unk_rate=None))
     for row, p, r in zip(out, prompts, responses):
         p_ids = tokenizer(p, add_special_tokens=False).input_ids
         r_ids = tokenizer(r, add_special_tokens=False).input_ids
@@ -133,7 +134,8 @@ def test_packed_forward_equals_separate_forwards(tokenizer):
     ds = raw(["Question: Tom has 3 apples.\nAnswer:", "Question: Ann has 12 pens.\nAnswer:"],
              [" Tom has 3 apples.\n#### 3", " Ann has 12 pens.\n#### 12"])
     method = ARMethod(OmegaConf.structured(ARConfig), tokenizer)
-    tokenized = tokenize_dataset(ds, tokenizer, data_cfg())
+    # words outside the synthetic vocabulary (Ann, pens, a, b) encode as <|unk|>: not what is tested
+    tokenized = tokenize_dataset(ds, tokenizer, data_cfg(max_unk_rate=None))
     rows = method.build_train_dataset(tokenized, data_cfg(pack_length=128))
     assert len(rows) == 1
     batch = method.collate([rows[0]])
@@ -148,7 +150,8 @@ def test_packed_forward_equals_separate_forwards(tokenizer):
 
 def test_unpacked_rows_keep_one_sample_each(tokenizer):
     ds = raw(["a", "b"], [" 1", " 2"])
-    tokenized = tokenize_dataset(ds, tokenizer, data_cfg())
+    # words outside the synthetic vocabulary (Ann, pens, a, b) encode as <|unk|>: not what is tested
+    tokenized = tokenize_dataset(ds, tokenizer, data_cfg(max_unk_rate=None))
     rows = single_sample_rows(tokenized, ("input_ids",))
     assert [r["segment_ids"] for r in rows] == [[0] * r["length"] for r in rows]
 

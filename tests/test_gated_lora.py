@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from common.constants import IGNORE_INDEX, MASK_TOKEN
 from common.errors import ConfigError
 from data_pipelines.idlm_batch import build_idlm_batch
+from losses.idlm import idlm_loss
 from methods.base import forward_logits
 from methods.idlm_lora import IDLMLoraMethod
 from models.gated_lora import (
@@ -117,6 +118,25 @@ def test_gradients_reach_lora_only_through_mask_positions():
     for name, g_clean, g_mask in zip(params, clean_grads, mask_grads):
         assert torch.count_nonzero(g_clean) == 0, name
         assert torch.count_nonzero(g_mask) > 0, name
+
+
+def test_last_prompt_slot_option_changes_no_lora_gradient():
+    """The last prompt token's x_t slot is a clean input (gate 0): supervising it adds a constant to
+    idlm_lora's L_mask (same denominator, the answer count) and nothing to the LoRA gradients."""
+    model, _ = gated(seed=6)
+    params = lora_params(model)
+    results = {}
+    for supervise in (False, True):
+        batch = build_idlm_batch(random_samples([(7, 3), (5, 1), (6, 2)], seed=2), mask_token_id=MASK_ID,
+                                 block_size=2, pack_length=40, supervise_last_prompt_slot=supervise)
+        loss, logs = idlm_loss(forward_logits(model, batch), batch["labels_mask_stream"],
+                               batch["labels_clean_stream"], 0.0)
+        results[supervise] = (logs["l_mask"], torch.autograd.grad(loss, list(params.values())))
+    (off_loss, off_grads), (on_loss, on_grads) = results[False], results[True]
+    assert on_loss > off_loss
+    for name, g_off, g_on in zip(params, off_grads, on_grads):
+        assert torch.count_nonzero(g_off) > 0, name
+        torch.testing.assert_close(g_on, g_off, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_gradient_checkpointing_same_loss_and_grads_with_gate_replay():

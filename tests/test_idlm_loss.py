@@ -15,11 +15,13 @@ from tests.test_idlm_batch import MASK_ID, random_samples, tiny_model
 SPEC, BLOCK, PACK = [(7, 3), (5, 1), (4, 4), (9, 4), (6, 0)], 3, 32
 
 
-def naive_losses(model, samples, block):
+def naive_losses(model, samples, block, supervise_last_prompt_slot=False):
     """(L_mask, L_clean, count) from one forward per supervised query, each sample alone.
 
     x_t query i sees the clean tokens before its block, then its block's x_t tokens up to i; x_0
-    query i sees x_0[: i + 1]. Targets: x_0[i + 1] when it is an answer token.
+    query i sees x_0[: i + 1]. Targets: x_0[i + 1] when it is an answer token; in x_t only at
+    <|mask|> inputs (i >= P), plus i = P - 1 when ``supervise_last_prompt_slot``. Both losses are
+    divided by ``count``, the number of answer targets (SPEC §1), in both settings.
     """
     mask_sum = clean_sum = 0.0
     count = 0
@@ -33,18 +35,20 @@ def naive_losses(model, samples, block):
                 start = (i // block) * block
                 q_mask = model(input_ids=torch.cat([ids[:start], noisy[start: i + 1]])[None]).logits[0, -1]
                 q_clean = model(input_ids=ids[None, : i + 1]).logits[0, -1]
-                mask_sum -= float(torch.log_softmax(q_mask, -1)[ids[i + 1]])
+                if i >= p or supervise_last_prompt_slot:
+                    mask_sum -= float(torch.log_softmax(q_mask, -1)[ids[i + 1]])
                 clean_sum -= float(torch.log_softmax(q_clean, -1)[ids[i + 1]])
                 count += 1
     return mask_sum / count, clean_sum / count, count
 
 
-@pytest.fixture(scope="module")
-def setup():
+@pytest.fixture(scope="module", params=[False, True], ids=["anchor_off", "anchor_on"])
+def setup(request):
     model = tiny_model("qwen3", "sdpa", seed=1)
     samples = random_samples(SPEC, seed=11)
-    batch = build_idlm_batch(samples, mask_token_id=MASK_ID, block_size=BLOCK, pack_length=PACK)
-    return model, samples, batch, naive_losses(model, samples, BLOCK)
+    batch = build_idlm_batch(samples, mask_token_id=MASK_ID, block_size=BLOCK, pack_length=PACK,
+                             supervise_last_prompt_slot=request.param)
+    return model, samples, batch, naive_losses(model, samples, BLOCK, request.param)
 
 
 @pytest.mark.parametrize("clean_scale", ["auto", 0.2, 0.0])
@@ -61,6 +65,39 @@ def test_loss_matches_naive_per_sample_computation(setup, clean_scale):
     assert math.isclose(float(total), l_mask + scale * l_clean, rel_tol=1e-5)
     if clean_scale == "auto":
         assert math.isclose(float(total), 2 * l_mask, rel_tol=1e-5)
+
+
+def test_anchor_terms_are_the_only_difference():
+    """L_mask(on) - L_mask(off) = the anchors' CE / the answer count, and each anchor's CE is the
+    clean stream's CE of the first answer token (the anchor's logits are the causal ones)."""
+    model = tiny_model("qwen3", "sdpa", seed=1)
+    samples = random_samples(SPEC, seed=11)
+    logs, batches = {}, {}
+    for supervise in (False, True):
+        batches[supervise] = build_idlm_batch(samples, mask_token_id=MASK_ID, block_size=BLOCK, pack_length=PACK,
+                                              supervise_last_prompt_slot=supervise)
+        with torch.no_grad():
+            logits = forward_logits(model, batches[supervise])
+        logs[supervise] = idlm_loss(logits, batches[supervise]["labels_mask_stream"],
+                                    batches[supervise]["labels_clean_stream"], 0.0)[1]
+    count = int(batches[False]["n_answer_tokens"])
+    assert logs[False]["n_answer_tokens"] == logs[True]["n_answer_tokens"] == count
+    anchors = [s for s in samples if 1 <= s["prompt_len"] < len(s["input_ids"])]
+    assert anchors
+    first_answer_ce = 0.0
+    with torch.no_grad():
+        for s in anchors:
+            ids, p = torch.tensor(s["input_ids"]), s["prompt_len"]
+            first_answer_ce -= float(torch.log_softmax(model(input_ids=ids[None, :p]).logits[0, -1], -1)[ids[p]])
+    assert math.isclose(logs[True]["l_mask"] - logs[False]["l_mask"], first_answer_ce / count, rel_tol=1e-4)
+
+
+def test_mask_targets_beyond_the_answer_targets_are_refused():
+    labels = torch.full((1, 4), -100)
+    mask_labels = labels.clone()
+    mask_labels[0, 1] = 3
+    with pytest.raises(ValueError, match="labels_mask_stream has 1 targets but labels_clean_stream only 0"):
+        idlm_loss(torch.zeros(1, 4, 8), mask_labels, labels)
 
 
 def _grads(model, batch, clean_scale):

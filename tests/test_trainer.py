@@ -81,7 +81,7 @@ def test_stop_file_checkpoints_and_resume_finishes(tmp_path):
     assert result.status == "preempted" and result.step == 1
     assert (tmp_path / PREEMPTED_MARKER).is_file()
     assert (tmp_path / "checkpoints" / "step-00000001").is_dir()
-    (tmp_path / STOP_FILE).unlink()
+    assert not (tmp_path / STOP_FILE).exists()  # consumed: the next run is not stopped by it
     result = run_in_process([f"output_dir={tmp_path}", "trainer.max_steps=3"])
     assert result.status == "finished" and result.step == 3
     assert not (tmp_path / PREEMPTED_MARKER).exists()

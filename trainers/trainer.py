@@ -30,7 +30,7 @@ from data_pipelines.sources import load_raw_split
 from data_pipelines.tokenize import tokenize_dataset
 from methods.base import move_batch
 from methods.registry import build_method
-from models.loading import load_model, load_tokenizer, resolve_attn_implementation, resolve_dtype
+from models.loading import check_max_positions, load_model, load_tokenizer, resolve_attn_implementation, resolve_dtype
 from trainers.checkpoint import (
     CHECKPOINTS,
     CONFIG_FILE,
@@ -114,7 +114,7 @@ def run_recipe(cfg: DictConfig) -> StageResult:
                                dist_info.is_main)
             if note and dist_info.is_main:
                 log.warning(note)
-        return _run_stages(stages, dist_info)
+        return _run_stages(stages, dist_info, root)
     finally:
         if lock is not None:
             lock.release()
@@ -132,7 +132,8 @@ def _done_step(stage_dir: Path) -> int | None:
         return 0
 
 
-def _run_stages(stages: list[DictConfig], dist_info: DistInfo) -> StageResult:
+def _run_stages(stages: list[DictConfig], dist_info: DistInfo, root: Path) -> StageResult:
+    """The stages in order; ``root`` is the recipe's output directory (its stop file stops any stage)."""
     result = None
     previous_export: Path | None = None
     for i, stage_cfg in enumerate(stages):
@@ -163,7 +164,7 @@ def _run_stages(stages: list[DictConfig], dist_info: DistInfo) -> StageResult:
             if dist_info.is_main:
                 log.warning("%s finished at step %d; continuing to the new max_steps %d", what, done,
                             stage_cfg.trainer.max_steps)
-        result = train_stage(stage_cfg, dist_info)
+        result = train_stage(stage_cfg, dist_info, stop_dir=root)
         if result.status != "finished":
             return result
         previous_export = result.export_dir
@@ -208,7 +209,9 @@ def _plan(cfg: DictConfig, run_dir: Path):
     return plan
 
 
-def train_stage(cfg: DictConfig, dist_info: DistInfo) -> StageResult:
+def train_stage(cfg: DictConfig, dist_info: DistInfo, stop_dir: Path | None = None) -> StageResult:
+    """Train one stage in ``cfg.output_dir``. Besides that directory's stop file, the one in ``stop_dir`` (the
+    recipe's output directory, where ``scripts/slurm/train.sbatch`` creates it) stops the stage."""
     import deepspeed
 
     run_dir = Path(cfg.output_dir)
@@ -227,10 +230,12 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo) -> StageResult:
     # 1. tokenizer, method and data (rank 0 first, so the datasets cache is written once)
     tokenizer = load_tokenizer(cfg.model, cfg.data)
     method = build_method(cfg.recipe, tokenizer)
+    check_max_positions(cfg.model, *method.max_positions(cfg.data))  # before any data work
     attn_impl = resolve_attn_implementation(cfg.model.attn_implementation, on_gpu, method.needs_custom_mask)
     if not dist_info.is_main:
         barrier()
-    tokenized = tokenize_dataset(load_raw_split(cfg.data, "train"), tokenizer, cfg.data, "train")
+    tokenized = tokenize_dataset(load_raw_split(cfg.data, "train"), tokenizer, cfg.data, "train",
+                                 method.trains_on_responses)
     if dist_info.is_main:
         barrier()
 
@@ -262,7 +267,7 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo) -> StageResult:
                       dist_info.world_size, dist_info.rank, cfg.trainer.seed)
     logger = MetricsLogger(cfg.logging, run_dir, dist_info.is_main, cfg.trainer.max_steps, start_step,
                            state.get("wandb_run_id"), OmegaConf.to_container(cfg, resolve=True))
-    watch = PreemptionWatch(run_dir)
+    watch = PreemptionWatch(run_dir, stop_dir or run_dir)
     ckpt_root = run_dir / CHECKPOINTS
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
 
@@ -327,10 +332,13 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo) -> StageResult:
         if any_rank(watch.requested()):
             checkpoint(step)
             if dist_info.is_main:
-                (run_dir / PREEMPTED_MARKER).write_text(f"step {step}: {watch.reason()}\n")
-                log.warning("preemption (%s): checkpointed at step %d, exiting", watch.reason(), step)
+                reason = watch.reason()
+                (run_dir / PREEMPTED_MARKER).write_text(f"step {step}: {reason}\n")
+                watch.consume()
+                log.warning("preemption (%s): checkpointed at step %d, exiting", reason, step)
             logger.close()
             watch.close()
+            barrier()  # no rank exits (its launcher would stop the others) before rank 0 has finished
             return StageResult("preempted", step, None, time.perf_counter() - loop_start)
         if cfg.trainer.stop_after_steps is not None and steps_this_process >= cfg.trainer.stop_after_steps \
                 and step < cfg.trainer.max_steps:

@@ -21,6 +21,11 @@ _DECODERS = {
     "jacobi": "inference.decoders.jacobi:JacobiDecoder:JacobiDecoderConfig",
     "multiblock": "inference.decoders.multiblock:MultiBlockDecoder:MultiBlockDecoderConfig",
     "isd": "inference.decoders.isd:ISDDecoder:ISDDecoderConfig",
+    "mdm_lowconf": "inference.decoders.mdm_lowconf:MDMLowConfDecoder:MDMLowConfConfig",
+    "mdm_threshold": "inference.decoders.mdm_threshold:MDMThresholdDecoder:MDMThresholdConfig",
+    "mdm_guided": "inference.decoders.mdm_guided:MDMGuidedDecoder:MDMGuidedConfig",
+    "cover": "inference.decoders.cover:CoverDecoder:CoverConfig",
+    "wino": "inference.decoders.wino:WinoDecoder:WinoConfig",
     "refusion": "inference.decoders.refusion:ReFusionDecoder:ReFusionDecoderConfig",
 }
 

@@ -1,0 +1,142 @@
+# python -m benchmarks.cover --mdm /work/mdm_runs/mdm_base1500_1000steps/hf
+"""COVER against the MDM decoders it is measured with, on an MDM export of the embedded default.
+
+Rows (same generation length and block, batch 1, greedy, one process, one after the other, each
+after an untimed warm-up on two problems): LLaDA low-confidence with one token per step (the
+paper's baseline, the TPS reference), Fast-dLLM threshold (prefix cache, tau 0.9), WINO (official
+0.6 / 0.9), COVER, and COVER without KV override (same settings). COVER's tau_draft is chosen on a
+*validation* split first (``--taus``; best accuracy, then fewest steps), then every row runs on the
+held-out test problems. The validation problems are drawn by the embedded generator with another
+seed, minus every prompt of the default train and test splits.
+
+Columns: accuracy (exact ``#### n``), steps per sample (= forwards), TPF (committed tokens /
+forwards), TPS and TPS / baseline (shared CPU: indicative only), revisions per sample (COVER:
+ReMask + Replace; WINO: ReMask), flip-flops per sample, effective-revision ratio (revisions whose
+position ends with a different token, pooled). Writes ``benchmarks/results/cover.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import datasets
+import torch
+from omegaconf import OmegaConf
+
+from benchmarks.common import held_out_rows
+from data_pipelines.config import DataConfig
+from data_pipelines.synthetic_gsm import generate_split
+from inference.checkpoint import load_checkpoint
+from inference.evaluate import evaluate
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    p.add_argument("--mdm", required=True, help="MDM export (recipe=mdm)")
+    p.add_argument("--num-samples", type=int, default=200)
+    p.add_argument("--num-validation", type=int, default=200)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--taus", default="0.7,0.8,0.9", help="COVER tau_draft grid, tuned on the validation split")
+    p.add_argument("--validation-seed", type=int, default=98765)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=str(RESULTS / "cover"))
+    return p.parse_args()
+
+
+def validation_rows(num: int, seed: int) -> datasets.Dataset:
+    """``num`` problems from the embedded generator with ``seed``, none in the default train/test."""
+    cfg = OmegaConf.to_object(OmegaConf.structured(DataConfig)).synthetic
+    seen = {r["prompt"] for r in generate_split(cfg, "train")} | {r["prompt"] for r in generate_split(cfg, "test")}
+    other = dataclasses.replace(cfg, seed=seed, num_test=4 * num)
+    rows = [r for r in generate_split(other, "test") if r["prompt"] not in seen][:num]
+    if len(rows) < num:
+        raise RuntimeError(f"only {len(rows)} unseen validation problems")
+    return datasets.Dataset.from_list(rows)
+
+
+def run(model, tok, rows, decoder: dict, warmup) -> dict:
+    evaluate(model, tok, warmup, decoder, agreement=False, shard=False)  # untimed warm-up
+    start = time.time()
+    result = evaluate(model, tok, rows, decoder, agreement=False, shard=False)
+    m = result.metrics
+    steps = m.get("steps_per_sample", m["dlm_forwards_per_sample"])
+    return {
+        "accuracy": m["accuracy"], "steps_per_sample": steps, "tpf": m["tpf"], "tps": m["tps"],
+        "revisions_per_sample": m.get("revisions_per_sample"), "flip_flops_per_sample": m.get("flip_flops_per_sample"),
+        "effective_revision_ratio": m.get("effective_revision_ratio"), "seconds": time.time() - start,
+    }
+
+
+def table_md(table: list[dict]) -> str:
+    def fmt(v, spec):
+        return "—" if v is None else format(v, spec)
+
+    header = ("| decoder | accuracy | steps/sample | TPF | TPS | TPS / baseline | revisions/sample | flip-flops/sample "
+              "| eff. revision ratio |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
+    for r in table:
+        ratio = r["effective_revision_ratio"] if r["revisions_per_sample"] else None  # 0/0: no revisions
+        lines.append(f"| {r['decoder']} | {r['accuracy']:.1%} | {r['steps_per_sample']:.2f} | {r['tpf']:.2f} | "
+                     f"{r['tps']:.1f} | {r['tps_ratio']:.2f}x | {fmt(r['revisions_per_sample'], '.2f')} | "
+                     f"{fmt(r['flip_flops_per_sample'], '.2f')} | {fmt(ratio, '.1%')} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    model, tok = load_checkpoint(args.mdm, device="cpu")
+    test = held_out_rows(args.num_samples)
+    val = validation_rows(args.num_validation, args.validation_seed)
+    warmup = test.select(range(min(2, len(test))))
+    common = {"max_new_tokens": args.max_new_tokens, "block_size": args.block_size, "batch_size": 1}
+
+    tuning = []
+    for tau in (float(t) for t in args.taus.split(",")):
+        row = {"tau_draft": tau, **run(model, tok, val, {"name": "cover", "draft_threshold": tau, **common}, warmup)}
+        tuning.append(row)
+        print("validation", json.dumps(row), flush=True)
+    best = max(tuning, key=lambda r: (r["accuracy"], -r["steps_per_sample"]))
+    tau = best["tau_draft"]
+
+    rows = [
+        ("LLaDA low-confidence, 1 token/step (baseline)", {"name": "mdm_lowconf"}),
+        ("Fast-dLLM threshold 0.9 (prefix cache)", {"name": "mdm_threshold", "threshold": 0.9}),
+        ("WINO 0.6 / 0.9", {"name": "wino", "threshold": 0.6, "threshold_back": 0.9}),
+        (f"COVER tau={tau}", {"name": "cover", "draft_threshold": tau}),
+        (f"COVER tau={tau} without override", {"name": "cover", "draft_threshold": tau, "override": False}),
+    ]
+    table = []
+    for label, decoder in rows:
+        row = {"decoder": label, "config": decoder, **run(model, tok, test, {**decoder, **common}, warmup)}
+        row["tps_ratio"] = row["tps"] / table[0]["tps"] if table else 1.0
+        table.append(row)
+        print(json.dumps(row), flush=True)
+
+    md = table_md(table)
+    tune_md = "\n".join(["| tau_draft | accuracy | steps/sample | eff. revision ratio |", "|---|---|---|---|"] + [
+        f"| {r['tau_draft']} | {r['accuracy']:.1%} | {r['steps_per_sample']:.2f} | {r['effective_revision_ratio']:.1%} |"
+        for r in tuning])
+    print(md)
+    command = (f"python -m benchmarks.cover --mdm {args.mdm} --num-samples {args.num_samples} --num-validation "
+               f"{args.num_validation} --max-new-tokens {args.max_new_tokens} --block-size {args.block_size} "
+               f"--taus {args.taus} --threads {args.threads}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(
+        f"Command: {command}\n\nCheckpoint: {args.mdm}. Test: the first {args.num_samples} held-out problems; "
+        f"COVER's tau_draft tuned on {args.num_validation} validation problems (generator seed "
+        f"{args.validation_seed}, default train/test prompts removed). CPU, {args.threads} thread(s), shared "
+        f"machine: TPS is indicative only.\n\nValidation (COVER):\n\n{tune_md}\n\nTest:\n\n{md}\n")
+    out.with_suffix(".json").write_text(json.dumps({"validation": tuning, "test": table}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

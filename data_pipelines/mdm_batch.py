@@ -1,0 +1,189 @@
+"""Packed masked-diffusion (MDM) training batches: random answer masking, logit shift, weights (SPEC §4).
+
+Per sample of length L (prompt + answer + eos) with ``prompt_len`` = P:
+
+1. optional EOS padding: with ``pad_answer_to = A`` the answer (positions >= P, its EOS included)
+   is padded with EOS to exactly A tokens (LLaDA / Dream SFT; fixed-length decoders rely on the
+   model predicting EOS after the end), and an answer longer than A is an error;
+2. t ~ U(eps, 1), one per sample; each *maskable* answer token (position >= max(P, 1): the first
+   token of a text without prompt has no predecessor to predict it) is replaced by ``<|mask|>``
+   independently with probability t; prompt tokens always stay clean;
+3. logit shift (Dream): the query at position i predicts the token at i + 1. A target exists only
+   where token i + 1 is masked; the last position predicts nothing, so nothing crosses samples::
+
+       position      0    1    2    3    4       (P = 2; answer a2 a3 eos; a3 and eos masked)
+       input         p0   p1   a2   M    M
+       target        -    -    -    a3   eos     (at the query before each masked token)
+
+4. the weight of each target: ``1/t`` (linear schedule, LLaDA / dllm) or Dream's CART weight
+   (``cart``): ``w_i = sum_j 0.5 p (1-p)^(|i-j|-1)`` over the clean tokens j != i of the same sample
+   (a symmetric geometric kernel of the distance from the masked token i to the visible context;
+   p = ``cart_p``, 0.3 by default). The weight sits on the query slot of its target.
+
+Rows are packed greedily in input order (``greedy_pack``) and right-padded to ``pack_length``
+(``pad_rows``); padding has segment ``-1``, position 0, no target, weight 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from common.constants import IGNORE_INDEX
+from data_pipelines.packing import PAD_SEGMENT, greedy_pack, pad_rows
+from masks.core import AttentionSpec
+from masks.mdm import BIDIRECTIONAL, BLOCK, answer_block_ids, bidirectional_mask, block_causal_mask
+
+WEIGHTINGS = ("linear", "cart")
+
+
+def build_mdm_batch(
+    samples: Sequence[Mapping[str, Any]],
+    *,
+    mask_token_id: int,
+    pack_length: int,
+    pad_token_id: int,
+    eos_token_id: int,
+    attention: str = BIDIRECTIONAL,
+    block_size: int | None = None,
+    eps: float = 1e-3,
+    weighting: str = "linear",
+    cart_p: float = 0.3,
+    pad_answer_to: int | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, Any]:
+    """Pack tokenised samples (``input_ids``, ``prompt_len``) into one MDM batch.
+
+    Returns, with n samples, r rows and s = ``pack_length``:
+
+    * ``input_ids``, ``position_ids``: ``[r, s]`` long (masked inputs; positions restart per sample);
+    * ``labels``: ``[r, s]``, the target at the query before each masked token, ``-100`` elsewhere;
+    * ``weights``: ``[r, s]`` float, the target's weight (1/t or CART), 0 where there is no target;
+    * ``sample_ids``: ``[r, s]`` long, the sample index (0..n-1) of each slot, ``-1`` for padding;
+    * ``n_answer``: ``[n]`` long, maskable answer tokens per sample (the normaliser);
+    * ``t``: ``[n]`` float, the masking ratio drawn for each sample;
+    * ``attention``: bidirectional or block-causal ``AttentionSpec`` over ``segment_ids`` (+ ``block_ids``).
+
+    Randomness comes from ``generator`` (default: torch's global generator, which the trainer seeds
+    and restores on resume).
+    """
+    if not samples:
+        raise ValueError("build_mdm_batch got no samples")
+    if attention not in (BIDIRECTIONAL, BLOCK):
+        raise ValueError(f"attention must be {BIDIRECTIONAL!r} or {BLOCK!r}, got {attention!r}")
+    if attention == BLOCK and (block_size is None or block_size < 1):
+        raise ValueError(f"block-causal attention needs block_size >= 1, got {block_size}")
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+    if not 0 < eps < 1:
+        raise ValueError(f"eps must be in (0, 1), got {eps}")
+    if not 0 < cart_p <= 1:
+        raise ValueError(f"cart_p must be in (0, 1], got {cart_p}")
+
+    token_lists, prompt_lens = [], []
+    for i, sample in enumerate(samples):
+        ids, p_len = _checked_ids(i, sample, mask_token_id)
+        if pad_answer_to is not None:
+            ids = _pad_answer(i, ids, p_len, pad_answer_to, eos_token_id)
+        token_lists.append(ids)
+        prompt_lens.append(p_len)
+    rows = greedy_pack([ids.numel() for ids in token_lists], pack_length)
+
+    t = eps + (1 - eps) * torch.rand(len(samples), generator=generator)  # [n]
+    parts_by_sample, n_answer = {}, []
+    for i, (ids, p_len) in enumerate(zip(token_lists, prompt_lens)):
+        parts_by_sample[i] = _sample_slots(ids, p_len, float(t[i]), i, mask_token_id, weighting, cart_p, generator)
+        n_answer.append(int(parts_by_sample[i]["n_answer"]))
+
+    fields = ("input_ids", "position_ids", "labels", "weights", "sample_ids", "segment_ids", "block_ids")
+    filled = []
+    for row in rows:
+        parts = [parts_by_sample[i] for i in row]
+        for seg, part in enumerate(parts):
+            part["segment_ids"] = torch.full_like(part["input_ids"], seg)
+            part["block_ids"] = answer_block_ids(part["position_ids"], prompt_lens[row[seg]], block_size or 1)
+        filled.append({k: torch.cat([p[k] for p in parts]) for k in fields})
+    long_pads = {"input_ids": pad_token_id, "position_ids": 0, "labels": IGNORE_INDEX, "sample_ids": PAD_SEGMENT,
+                 "segment_ids": PAD_SEGMENT, "block_ids": 0}
+    batch = pad_rows(filled, long_pads, pack_length)  # each [r, s] long
+    weights = torch.zeros(len(rows), pack_length)  # [r, s]
+    for r, row in enumerate(filled):
+        weights[r, : row["weights"].numel()] = row["weights"]
+    batch["weights"] = weights
+
+    segment_ids, block_ids = batch.pop("segment_ids"), batch.pop("block_ids")
+    if attention == BIDIRECTIONAL:
+        batch["attention"] = AttentionSpec(bidirectional_mask, {"segment_ids": segment_ids})
+    else:
+        batch["attention"] = AttentionSpec(block_causal_mask, {"segment_ids": segment_ids, "block_ids": block_ids})
+    batch["n_answer"] = torch.tensor(n_answer, dtype=torch.long)  # [n]
+    batch["t"] = t
+    return batch
+
+
+def cart_weights(clean: torch.Tensor, p: float) -> torch.Tensor:
+    """Dream's context-adaptive (CART) weight of every position of one sample, ``[l]`` float.
+
+    ``clean``: ``[l]`` bool, the visible (unmasked) tokens. ``w_i = sum_{j clean, j != i}
+    0.5 p (1-p)^(|i-j|-1)``: a masked token next to much visible context is easy and gets a large
+    weight; one far from any context gets a small one.
+    """
+    positions = torch.arange(clean.numel())
+    distance = (positions[:, None] - positions[None, :]).abs()  # [l, l]
+    kernel = 0.5 * p * (1 - p) ** (distance - 1).clamp(min=0).double()  # [l, l]
+    kernel = kernel.masked_fill(distance == 0, 0.0)
+    return (kernel @ clean.double()).float()  # [l]
+
+
+def _checked_ids(index: int, sample: Mapping[str, Any], mask_token_id: int) -> tuple[torch.Tensor, int]:
+    ids = torch.as_tensor(sample["input_ids"], dtype=torch.long)
+    prompt_len = int(sample["prompt_len"])
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"sample {index}: input_ids must be a non-empty 1-D sequence, got shape {tuple(ids.shape)}")
+    if not 0 <= prompt_len <= ids.numel():
+        raise ValueError(f"sample {index}: prompt_len={prompt_len} outside [0, {ids.numel()}] (len(input_ids))")
+    if (ids == mask_token_id).any():
+        pos = int((ids == mask_token_id).nonzero()[0])
+        raise ValueError(f"sample {index}: input_ids contain the mask token id {mask_token_id} at position {pos}")
+    return ids, prompt_len
+
+
+def _pad_answer(index: int, ids: torch.Tensor, prompt_len: int, answer_len: int, eos_token_id: int) -> torch.Tensor:
+    have = ids.numel() - prompt_len
+    if have > answer_len:
+        raise ValueError(
+            f"sample {index}: answer of {have} tokens > recipe.pad_answer_to={answer_len}; raise it or truncate upstream"
+        )
+    return torch.cat([ids, torch.full((answer_len - have,), eos_token_id, dtype=torch.long)])
+
+
+def _sample_slots(
+    ids: torch.Tensor, prompt_len: int, t: float, index: int, mask_token_id: int, weighting: str, cart_p: float,
+    generator: torch.Generator | None,
+) -> dict[str, torch.Tensor]:
+    """The slots of one sample, every field ``[l]``, plus its maskable-answer count ``n_answer``."""
+    length = ids.numel()
+    positions = torch.arange(length)  # [l]
+    maskable = positions >= max(prompt_len, 1)  # [l]
+    masked = maskable & (torch.rand(length, generator=generator) < t)  # [l]
+    noisy = torch.where(masked, torch.full_like(ids, mask_token_id), ids)  # [l]
+
+    # Logit shift: query i carries the target of position i + 1 when that token is masked.
+    labels = torch.full_like(ids, IGNORE_INDEX)  # [l]
+    labels[:-1] = torch.where(masked[1:], ids[1:], IGNORE_INDEX)
+    if weighting == "linear":
+        target_weight = torch.full((length,), 1.0 / t)  # [l]
+    else:
+        target_weight = cart_weights(~masked, cart_p)  # [l], weight of the target at each position
+    weights = torch.zeros(length)  # [l]
+    weights[:-1] = torch.where(masked[1:], target_weight[1:], 0.0)
+    return {
+        "input_ids": noisy,
+        "position_ids": positions,
+        "labels": labels,
+        "weights": weights,
+        "sample_ids": torch.full((length,), index, dtype=torch.long),
+        "n_answer": maskable.sum(),
+    }
