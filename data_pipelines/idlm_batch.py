@@ -55,7 +55,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from common.constants import IGNORE_INDEX
-from data_pipelines.packing import PAD_SEGMENT, greedy_pack, pad_rows
+from data_pipelines.packing import PAD_SEGMENT, checked_sample, greedy_pack, pad_rows
 from masks.core import AttentionSpec
 from masks.idlm import X0, XT, idlm_mask
 
@@ -90,7 +90,7 @@ def build_idlm_batch(
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if not samples:
         raise ValueError("build_idlm_batch got no samples")
-    token_lists = [_checked_ids(i, s, mask_token_id) for i, s in enumerate(samples)]
+    token_lists = [checked_sample(i, s, mask_token_id)[0] for i, s in enumerate(samples)]
     for i, ids in enumerate(token_lists):
         if 2 * len(ids) > pack_length:
             raise ValueError(
@@ -119,19 +119,6 @@ def build_idlm_batch(
     batch["attention"] = AttentionSpec(idlm_mask, metadata)
     batch["n_answer_tokens"] = (batch["labels_clean_stream"] != IGNORE_INDEX).sum()
     return batch
-
-
-def _checked_ids(index: int, sample: Mapping[str, Any], mask_token_id: int) -> torch.Tensor:
-    ids = torch.as_tensor(sample["input_ids"], dtype=torch.long)
-    prompt_len = int(sample["prompt_len"])
-    if ids.dim() != 1 or ids.numel() == 0:
-        raise ValueError(f"sample {index}: input_ids must be a non-empty 1-D sequence, got shape {tuple(ids.shape)}")
-    if not 0 <= prompt_len <= ids.numel():
-        raise ValueError(f"sample {index}: prompt_len={prompt_len} outside [0, {ids.numel()}] (len(input_ids))")
-    if (ids == mask_token_id).any():
-        pos = int((ids == mask_token_id).nonzero()[0])
-        raise ValueError(f"sample {index}: input_ids contain the mask token id {mask_token_id} at position {pos}")
-    return ids
 
 
 def _sample_slots(ids: torch.Tensor, prompt_len: int, segment: int, mask_token_id: int,

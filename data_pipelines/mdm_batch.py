@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from common.constants import IGNORE_INDEX
-from data_pipelines.packing import PAD_SEGMENT, greedy_pack, pad_rows
+from data_pipelines.packing import PAD_SEGMENT, checked_sample, greedy_pack, pad_rows
 from masks.core import AttentionSpec
 from masks.mdm import BIDIRECTIONAL, BLOCK, answer_block_ids, bidirectional_mask, block_causal_mask
 
@@ -84,7 +84,7 @@ def build_mdm_batch(
 
     token_lists, prompt_lens = [], []
     for i, sample in enumerate(samples):
-        ids, p_len = _checked_ids(i, sample, mask_token_id)
+        ids, p_len = checked_sample(i, sample, mask_token_id)
         if pad_answer_to is not None:
             ids = _pad_answer(i, ids, p_len, pad_answer_to, eos_token_id)
         token_lists.append(ids)
@@ -135,19 +135,6 @@ def cart_weights(clean: torch.Tensor, p: float) -> torch.Tensor:
     kernel = 0.5 * p * (1 - p) ** (distance - 1).clamp(min=0).double()  # [l, l]
     kernel = kernel.masked_fill(distance == 0, 0.0)
     return (kernel @ clean.double()).float()  # [l]
-
-
-def _checked_ids(index: int, sample: Mapping[str, Any], mask_token_id: int) -> tuple[torch.Tensor, int]:
-    ids = torch.as_tensor(sample["input_ids"], dtype=torch.long)
-    prompt_len = int(sample["prompt_len"])
-    if ids.dim() != 1 or ids.numel() == 0:
-        raise ValueError(f"sample {index}: input_ids must be a non-empty 1-D sequence, got shape {tuple(ids.shape)}")
-    if not 0 <= prompt_len <= ids.numel():
-        raise ValueError(f"sample {index}: prompt_len={prompt_len} outside [0, {ids.numel()}] (len(input_ids))")
-    if (ids == mask_token_id).any():
-        pos = int((ids == mask_token_id).nonzero()[0])
-        raise ValueError(f"sample {index}: input_ids contain the mask token id {mask_token_id} at position {pos}")
-    return ids, prompt_len
 
 
 def _pad_answer(index: int, ids: torch.Tensor, prompt_len: int, answer_len: int, eos_token_id: int) -> torch.Tensor:

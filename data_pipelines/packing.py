@@ -10,7 +10,7 @@ map batches; the waste this costs is one partial row per 1000 samples.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import datasets
 import torch
@@ -104,3 +104,19 @@ def pad_rows(
             padded.append(torch.cat([values, torch.full((target - values.numel(),), pad, dtype=torch.long)]))
         out[column] = torch.stack(padded)  # [r, target]
     return out
+
+
+def checked_sample(index: int, sample: Mapping[str, Any], mask_token_id: int) -> tuple[torch.Tensor, int]:
+    """``(input_ids [l], prompt_len)`` of a tokenised sample that a masked recipe's batch builder
+    (I-DLM, ReFusion, MDM) takes: non-empty 1-D ids, ``0 <= prompt_len <= l``, and no ``<|mask|>``
+    already in the data (it would be read as a masked slot). Errors name the sample's index."""
+    ids = torch.as_tensor(sample["input_ids"], dtype=torch.long)
+    prompt_len = int(sample["prompt_len"])
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"sample {index}: input_ids must be a non-empty 1-D sequence, got shape {tuple(ids.shape)}")
+    if not 0 <= prompt_len <= ids.numel():
+        raise ValueError(f"sample {index}: prompt_len={prompt_len} outside [0, {ids.numel()}] (len(input_ids))")
+    if (ids == mask_token_id).any():
+        pos = int((ids == mask_token_id).nonzero()[0])
+        raise ValueError(f"sample {index}: input_ids contain the mask token id {mask_token_id} at position {pos}")
+    return ids, prompt_len

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from common.constants import IGNORE_INDEX
-from data_pipelines.packing import PAD_SEGMENT, greedy_pack, pad_rows
+from data_pipelines.packing import PAD_SEGMENT, checked_sample, greedy_pack, pad_rows
 from masks.refusion import refusion_spec
 
 MASKINGS = ("count", "bernoulli")
@@ -119,7 +119,7 @@ def build_refusion_batch(
         raise ValueError(f"{len(samples)} samples but {len(seeds)} seeds")
     if not slot_sizes or any(int(k) < 1 for k in slot_sizes):
         raise ValueError(f"slot sizes must be a non-empty set of integers >= 1, got {list(slot_sizes)}")
-    token_lists = [_checked_ids(i, s, mask_token_id) for i, s in enumerate(samples)]
+    token_lists = [checked_sample(i, s, mask_token_id)[0] for i, s in enumerate(samples)]
     rows = greedy_pack([len(ids) for ids in token_lists], pack_length)
 
     layouts, weights = [], []
@@ -144,19 +144,6 @@ def build_refusion_batch(
     batch["n_samples"] = len(samples)
     batch["slot_sizes"] = torch.tensor([layout.slot_size for layout in layouts], dtype=torch.long)  # [n]
     return batch
-
-
-def _checked_ids(index: int, sample: Mapping[str, Any], mask_token_id: int) -> torch.Tensor:
-    ids = torch.as_tensor(sample["input_ids"], dtype=torch.long)
-    prompt_len = int(sample["prompt_len"])
-    if ids.dim() != 1 or ids.numel() == 0:
-        raise ValueError(f"sample {index}: input_ids must be a non-empty 1-D sequence, got shape {tuple(ids.shape)}")
-    if not 0 <= prompt_len <= ids.numel():
-        raise ValueError(f"sample {index}: prompt_len={prompt_len} outside [0, {ids.numel()}] (len(input_ids))")
-    if (ids == mask_token_id).any():
-        pos = int((ids == mask_token_id).nonzero()[0])
-        raise ValueError(f"sample {index}: input_ids contain the mask token id {mask_token_id} at position {pos}")
-    return ids
 
 
 def _sample_buffer(
