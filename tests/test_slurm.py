@@ -72,19 +72,28 @@ def log_of(env: dict, job: str) -> str:
     return path.read_text() if path.is_file() else f"(no log at {path})"
 
 
+RELEASE_AFTER_S = 5.0
+
+
 def wait_for(env: dict, job: str, states: set[str], timeout: float = JOB_TIMEOUT, release_requeued: bool = False):
     """Poll until the job is in one of ``states``. Slurm holds a requeued job for two minutes (BeginTime);
     ``release_requeued`` starts it at once (scontrol update StartTime=now) to keep the test short."""
     deadline = time.monotonic() + timeout
     info: dict[str, str] = {}
+    held_since = None
     while time.monotonic() < deadline:
         info = job_info(env, job)
         if info.get("JobState") in states:
             return info
         if info.get("JobState") in {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}:
             break
-        if release_requeued and info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime":
+        held = release_requeued and info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime"
+        held_since = (held_since or time.monotonic()) if held else None
+        # Release only after a few seconds: started at once, the requeued job can race slurmd's cleanup of
+        # the killed run and be refused ("Killing non-startable batch job: Job credential revoked").
+        if held and time.monotonic() - held_since > RELEASE_AFTER_S:
             subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=False, timeout=30)
+            held_since = None
         time.sleep(0.5)
     raise AssertionError(f"job {job}: {info.get('JobState')} (wanted {sorted(states)}), "
                          f"exit {info.get('ExitCode')}; log:\n{log_of(env, job)[-6000:]}")
