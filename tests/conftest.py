@@ -77,3 +77,23 @@ EVAL_ROWS = [
 def write_eval_jsonl(path: Path, rows: list[dict] = EVAL_ROWS) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def data_cfg(**overrides):
+    """The ``data`` config (``DataConfig`` defaults) with ``overrides`` set by dotted key."""
+    from omegaconf import OmegaConf
+
+    from data_pipelines.config import DataConfig
+
+    cfg = OmegaConf.structured(DataConfig)
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key, value)
+    return cfg
+
+
+def synthetic_tokenizer():
+    """The embedded default's word-level tokenizer (default generator config)."""
+    from data_pipelines.synthetic_gsm import SyntheticGSMConfig
+    from data_pipelines.synthetic_tokenizer import build_synthetic_tokenizer
+
+    return build_synthetic_tokenizer(SyntheticGSMConfig())

@@ -21,17 +21,14 @@ import torch
 from omegaconf import OmegaConf
 
 from common.errors import CheckpointError, ConfigError, DataError
-from data_pipelines.config import DataConfig
 from data_pipelines.sources import load_raw_split
-from data_pipelines.synthetic_gsm import SyntheticGSMConfig
-from data_pipelines.synthetic_tokenizer import build_synthetic_tokenizer
 from data_pipelines.tokenize import check_prompt_unknown_rate, tokenize_dataset
 from inference.checkpoint import load_checkpoint
 from methods.ar import ARConfig, ARMethod
 from methods.idlm import IDLMConfig, IDLMMethod
 from methods.jacobi_forcing import JacobiForcingConfig, JacobiForcingMethod
 from models.loading import check_max_positions, load_model, load_tokenizer
-from tests.conftest import save_checkpoint, tiny_model, tiny_tokenizer
+from tests.conftest import data_cfg, save_checkpoint, synthetic_tokenizer, tiny_model, tiny_tokenizer
 from tests.train_utils import run_in_process
 from trainers.config import ModelConfig
 
@@ -40,14 +37,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return build_synthetic_tokenizer(SyntheticGSMConfig())
-
-
-def data_cfg(**overrides):
-    cfg = OmegaConf.structured(DataConfig)
-    for k, v in overrides.items():
-        OmegaConf.update(cfg, k, v)
-    return cfg
+    return synthetic_tokenizer()
 
 
 def model_cfg(**overrides):

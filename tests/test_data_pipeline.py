@@ -12,28 +12,18 @@ from omegaconf import OmegaConf
 
 from common.constants import IGNORE_INDEX
 from common.errors import DataError
-from data_pipelines.config import DataConfig
 from data_pipelines.packing import PAD_SEGMENT, pack_dataset, single_sample_rows
 from data_pipelines.sources import load_raw_split
-from data_pipelines.synthetic_gsm import SyntheticGSMConfig
-from data_pipelines.synthetic_tokenizer import build_synthetic_tokenizer
 from data_pipelines.tokenize import tokenize_dataset
 from losses.causal_lm import shifted_labels
 from masks.core import causal_document_spec, dense_additive_mask, dense_bool_mask
 from methods.ar import ARConfig, ARMethod
-from tests.conftest import tiny_model
+from tests.conftest import data_cfg, synthetic_tokenizer, tiny_model
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return build_synthetic_tokenizer(SyntheticGSMConfig())
-
-
-def data_cfg(**overrides):
-    cfg = OmegaConf.structured(DataConfig)
-    for k, v in overrides.items():
-        OmegaConf.update(cfg, k, v)
-    return cfg
+    return synthetic_tokenizer()
 
 
 def raw(prompts, responses):

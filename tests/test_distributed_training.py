@@ -12,21 +12,14 @@ import pytest
 import torch
 
 from data_pipelines.jacobi_trajectories import load_trajectories
-from models.loading import load_model, load_tokenizer
-from tests.train_utils import compose_train, exported_weights, run_torchrun
+from tests.train_utils import exported_weights, run_torchrun, save_tiny_base
 
 STEPS = ["trainer.max_steps=3"]
 
 
 @pytest.fixture(scope="module")
 def base_checkpoint(tmp_path_factory):
-    out = tmp_path_factory.mktemp("base")
-    cfg = compose_train([])
-    torch.manual_seed(0)
-    tokenizer = load_tokenizer(cfg.model, cfg.data)
-    load_model(cfg.model, tokenizer, torch.float32, "sdpa").save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return save_tiny_base(tmp_path_factory.mktemp("base"))
 
 
 @pytest.fixture(scope="module")

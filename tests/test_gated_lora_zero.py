@@ -20,8 +20,7 @@ from data_pipelines.tokenize import format_prompt_ids
 from inference.checkpoint import load_checkpoint
 from inference.decoders.registry import build_decoder
 from models.gated_lora import ADAPTER_SUBDIR, gate_holder
-from models.loading import load_model, load_tokenizer
-from tests.train_utils import compose_train, exported_weights, run_torchrun
+from tests.train_utils import compose_train, exported_weights, run_torchrun, save_tiny_base
 
 LORA = ["recipe=idlm_lora", "data.pack_length=512", "trainer.max_steps=2", "trainer.lr=1e-2",
         "recipe.lora_rank=8", "recipe.lora_alpha=16", "trainer.grad_accum=1"]
@@ -29,13 +28,7 @@ LORA = ["recipe=idlm_lora", "data.pack_length=512", "trainer.max_steps=2", "trai
 
 @pytest.fixture(scope="module")
 def base_checkpoint(tmp_path_factory):
-    out = tmp_path_factory.mktemp("base")
-    cfg = compose_train([])
-    torch.manual_seed(0)
-    tokenizer = load_tokenizer(cfg.model, cfg.data)
-    load_model(cfg.model, tokenizer, torch.float32, "sdpa").save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return save_tiny_base(tmp_path_factory.mktemp("base"))
 
 
 @pytest.fixture(scope="module")

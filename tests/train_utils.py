@@ -54,3 +54,16 @@ def run_torchrun(overrides: list[str], nproc: int, cwd: Path, timeout: int = 600
 
 def exported_weights(export_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(export_dir / "model.safetensors"))
+
+
+def save_tiny_base(out: Path) -> Path:
+    """The default training config's tiny model (seed 0) and tokenizer saved as a local checkpoint:
+    the shared starting point of the multi-process tests."""
+    from models.loading import load_model, load_tokenizer
+
+    cfg = compose_train([])
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer(cfg.model, cfg.data)
+    load_model(cfg.model, tokenizer, torch.float32, "sdpa").save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
