@@ -31,7 +31,16 @@ from inference.decoders.mdm_common import BlockRun, mdm_info
 from inference.decoders.registry import build_decoder
 from models.kv_override import KV_OVERRIDE
 from tests.conftest import tiny_model
-from tests.test_mdm_decoders import EOS, MASK, PROMPTS, VOCAB, mdm_model, mdm_tokenizer
+from tests.test_mdm_decoders import (
+    EOS,
+    MASK,
+    PROMPTS,
+    VOCAB,
+    committed_answer,
+    decoded_up_to_eos,
+    mdm_model,
+    mdm_tokenizer,
+)
 
 torch.set_num_threads(1)
 
@@ -252,14 +261,6 @@ def reference_cover(model, prompt, length, block, tau, budget, max_rev, attentio
     events = 0
     recorded = None
 
-    def done():
-        for t in x[p_len:]:
-            if t == MASK:
-                return False
-            if t == eos:
-                return True
-        return False
-
     for b in range(length // block):
         s = p_len + b * block
         seeds: list[int] = []
@@ -296,7 +297,7 @@ def reference_cover(model, prompt, length, block, tau, budget, max_rev, attentio
                 x[j] = MASK
                 revisions[j] += 1
             events += len(replace) + len(remask)
-            if done() or MASK not in x[s : s + block]:
+            if decoded_up_to_eos(x, p_len, eos) or MASK not in x[s : s + block]:
                 break
             still = [q for q in range(n) if x[q] == MASK]
             pool = [j for j in range(s, s + block) if x[j] != MASK]
@@ -310,15 +311,9 @@ def reference_cover(model, prompt, length, block, tau, budget, max_rev, attentio
             k = math.ceil(math.sqrt(sum(1 for v in score.values() if v > mean)) - 1e-9)
             eligible = [j for j in pool if j not in seeds and revisions[j] < max_rev]
             seeds = sorted(sorted(eligible, key=lambda j: (-score[j], j))[:k])
-        if done():
+        if decoded_up_to_eos(x, p_len, eos):
             break
-    out = []
-    for t in x[p_len:]:
-        if t == MASK:
-            break
-        out.append(t)
-        if t == eos:
-            break
+    out = committed_answer(x, p_len, eos)
     return out, forwards, events
 
 

@@ -29,6 +29,28 @@ PROMPTS = [[3, 4, 5, 6, 7], [8, 9], [9, 10, 11, 12, 13, 14, 15]]
 FILLERS = tuple(f"w{i}" for i in range(VOCAB - 1 - len(tiny_tokenizer())))
 
 
+
+def decoded_up_to_eos(x: list[int], p_len: int, eos: int) -> bool:
+    """The reference decoders' stop rule: every answer position up to the first EOS is unmasked."""
+    for t in x[p_len:]:
+        if t == MASK:
+            return False
+        if t == eos:
+            return True
+    return False
+
+
+def committed_answer(x: list[int], p_len: int, eos: int) -> list[int]:
+    """The answer a reference decode committed: tokens up to the first mask, EOS included."""
+    out = []
+    for t in x[p_len:]:
+        if t == MASK:
+            break
+        out.append(t)
+        if t == eos:
+            break
+    return out
+
 def mdm_tokenizer():
     tok = tiny_tokenizer(FILLERS + (MASK_TOKEN,))
     assert tok.convert_tokens_to_ids(MASK_TOKEN) == MASK and len(tok) == VOCAB
@@ -115,14 +137,6 @@ def reference_decode(model, prompt, length, block, select, attention, attn_block
     x = list(prompt) + [MASK] * length
     p_len, forwards = len(prompt), 0
 
-    def done():
-        for t in x[p_len:]:
-            if t == MASK:
-                return False
-            if t == eos:
-                return True
-        return False
-
     for b in range(length // block):
         s = p_len + b * block
         step = 0
@@ -136,17 +150,11 @@ def reference_decode(model, prompt, length, block, select, attention, attn_block
                 assert x[s + i] == MASK
                 x[s + i] = t
             step += 1
-            if done():
+            if decoded_up_to_eos(x, p_len, eos):
                 break
-        if done():
+        if decoded_up_to_eos(x, p_len, eos):
             break
-    out = []
-    for t in x[p_len:]:
-        if t == MASK:
-            break
-        out.append(t)
-        if t == eos:
-            break
+    out = committed_answer(x, p_len, eos)
     return out, forwards
 
 

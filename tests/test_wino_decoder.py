@@ -14,7 +14,16 @@ from inference.decoders.registry import build_decoder
 from inference.decoders.wino import max_accept, wino_draft, wino_remask
 from tests.conftest import tiny_model
 from tests.test_cover_decoder import one_layer_mdm
-from tests.test_mdm_decoders import EOS, MASK, PROMPTS, VOCAB, mdm_model, mdm_tokenizer
+from tests.test_mdm_decoders import (
+    EOS,
+    MASK,
+    PROMPTS,
+    VOCAB,
+    committed_answer,
+    decoded_up_to_eos,
+    mdm_model,
+    mdm_tokenizer,
+)
 
 torch.set_num_threads(1)
 
@@ -106,14 +115,6 @@ def reference_wino(model, prompt, length, block, tau, tau_back, attention, attn_
     x = list(prompt) + [MASK] * length
     p_len, forwards, remasks = len(prompt), 0, 0
 
-    def done():
-        for t in x[p_len:]:
-            if t == MASK:
-                return False
-            if t == eos:
-                return True
-        return False
-
     for b in range(length // block):
         s = p_len + b * block
         last = 30
@@ -141,17 +142,11 @@ def reference_wino(model, prompt, length, block, tau, tau_back, attention, attn_
                 x[s + o] = int(probs[o].argmax())
             remasks += len(low)
             last = len(drafted)
-            if done():
+            if decoded_up_to_eos(x, p_len, eos):
                 break
-        if done():
+        if decoded_up_to_eos(x, p_len, eos):
             break
-    out = []
-    for t in x[p_len:]:
-        if t == MASK:
-            break
-        out.append(t)
-        if t == eos:
-            break
+    out = committed_answer(x, p_len, eos)
     return out, forwards, remasks
 
 
