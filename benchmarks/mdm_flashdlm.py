@@ -16,8 +16,8 @@ MDM was converted from. Columns:
 * TPS / MDM baseline (the low-confidence row at one token per step) and TPS / base AR greedy.
 
 ``--split test`` (default): the first ``--num-samples`` problems of the synthetic test split.
-``--split val``: tuning problems drawn from the *train* generator beyond the problems the MDM
-trained on (see :func:`val_rows`), so tuning never sees the test problems.
+``--split val``: the first ``--num-samples`` problems of the generator's validation split (disjoint
+from train and test), where the committed defaults are chosen; the test problems stay held out.
 
 Writes ``benchmarks/results/mdm_flashdlm.{md,json}`` (``--out``).
 """
@@ -31,11 +31,8 @@ import sys
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
-from benchmarks.common import held_out_rows, identical
-from data_pipelines.config import DataConfig
-from data_pipelines.sources import load_raw_split
+from benchmarks.common import held_out_rows, identical, validation_rows
 from inference.checkpoint import load_checkpoint
 from inference.evaluate import evaluate
 
@@ -80,31 +77,10 @@ def rows_config(args) -> list[tuple[str, str, str, dict | None]]:
     ]
 
 
-def val_rows(mdm_dir: Path, num: int):
-    """``num`` train-split problems the MDM never trained on.
-
-    The embedded generator draws the train split sequentially from one seeded stream, so asking it
-    for ``num_train + extra`` problems reproduces the training problems as the prefix (checked) and
-    appends new ones; those new problems whose prompt does not occur in the training problems form
-    the tuning set. (With ``data.max_train_samples`` set, the unused tail of the split would do too.)
-    """
-    run_cfg = OmegaConf.load(mdm_dir.parent / "config.yaml")
-    data_cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), run_cfg.data)
-    trained = load_raw_split(data_cfg, "train")
-    data_cfg.synthetic.num_train = data_cfg.synthetic.num_train + 4 * num
-    data_cfg.max_train_samples = None
-    extended = load_raw_split(data_cfg, "train")
-    if extended.select(range(len(trained)))["prompt"] != trained["prompt"]:
-        raise RuntimeError("the extended train split does not start with the training problems")
-    seen = set(trained["prompt"])
-    fresh = [i for i in range(len(trained), len(extended)) if extended[i]["prompt"] not in seen]
-    return extended.select(fresh[:num])
-
-
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    eval_rows = val_rows(Path(args.mdm), args.num_samples) if args.split == "val" else held_out_rows(args.num_samples)
+    eval_rows = validation_rows(args.num_samples) if args.split == "val" else held_out_rows(args.num_samples)
     models = {"base": load_checkpoint(args.base, device="cpu"), "mdm": load_checkpoint(args.mdm, device="cpu")}
     guide = models["base"][0]
     selected = rows_config(args)
@@ -160,7 +136,7 @@ def main() -> None:
     command = "python -m benchmarks.mdm_flashdlm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    split = "test split" if args.split == "test" else "val: unseen train-split problems"
+    split = "test split" if args.split == "test" else "validation split"
     out.with_suffix(".md").write_text(
         f"Command: {command}\n\n{len(eval_rows)} problems ({split}), generation length {args.gen_length}, "
         f"block {args.block_size}, batch 1, CPU ({args.threads} threads).\n\n{md}\n")
