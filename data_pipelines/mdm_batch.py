@@ -7,7 +7,12 @@ Per sample of length L (prompt + answer + eos) with ``prompt_len`` = P:
    model predicting EOS after the end), and an answer longer than A is an error;
 2. t ~ U(eps, 1), one per sample; each *maskable* answer token (position >= max(P, 1): the first
    token of a text without prompt has no predecessor to predict it) is replaced by ``<|mask|>``
-   independently with probability t; prompt tokens always stay clean;
+   independently with probability t; prompt tokens always stay clean. With ``suffix_mask_prob = q``
+   (default 0: off), a sample is in addition, with probability q, masked from a cut c drawn
+   uniformly over its maskable positions to its end: the state of semi-AR / left-to-right decoding
+   (a clean prefix, an all-masked future). Under uniform masking a result that the answer repeats
+   later (``= 93 dollars. Then Ben has 93 + ...``) is mostly visible elsewhere and can be copied
+   instead of computed, which decoding never allows;
 3. logit shift (Dream): the query at position i predicts the token at i + 1. A target exists only
    where token i + 1 is masked; the last position predicts nothing, so nothing crosses samples::
 
@@ -15,7 +20,9 @@ Per sample of length L (prompt + answer + eos) with ``prompt_len`` = P:
        input         p0   p1   a2   M    M
        target        -    -    -    a3   eos     (at the query before each masked token)
 
-4. the weight of each target: ``1/t`` (linear schedule, LLaDA / dllm) or Dream's CART weight
+4. the weight of each target: ``1/t`` (linear schedule, LLaDA / dllm; for a suffix-masked sample
+   ``1/t_eff`` with t_eff its masked fraction of the maskable tokens, so that, as in expectation
+   under uniform masking, its weights sum to its maskable-token count) or Dream's CART weight
    (``cart``): ``w_i = sum_j 0.5 p (1-p)^(|i-j|-1)`` over the clean tokens j != i of the same sample
    (a symmetric geometric kernel of the distance from the masked token i to the visible context;
    p = ``cart_p``, 0.3 by default). The weight sits on the query slot of its target.
@@ -52,6 +59,7 @@ def build_mdm_batch(
     weighting: str = "linear",
     cart_p: float = 0.3,
     pad_answer_to: int | None = None,
+    suffix_mask_prob: float = 0.0,
     generator: torch.Generator | None = None,
 ) -> dict[str, Any]:
     """Pack tokenised samples (``input_ids``, ``prompt_len``) into one MDM batch.
@@ -81,6 +89,8 @@ def build_mdm_batch(
         raise ValueError(f"eps must be in (0, 1), got {eps}")
     if not 0 < cart_p <= 1:
         raise ValueError(f"cart_p must be in (0, 1], got {cart_p}")
+    if not 0 <= suffix_mask_prob <= 1:
+        raise ValueError(f"suffix_mask_prob must be in [0, 1], got {suffix_mask_prob}")
 
     token_lists, prompt_lens = [], []
     for i, sample in enumerate(samples):
@@ -92,9 +102,13 @@ def build_mdm_batch(
     rows = greedy_pack([ids.numel() for ids in token_lists], pack_length)
 
     t = eps + (1 - eps) * torch.rand(len(samples), generator=generator)  # [n]
+    # Drawn only when the option is on, so the default keeps the random stream of uniform masking.
+    suffix = torch.rand(len(samples), generator=generator) < suffix_mask_prob if suffix_mask_prob else None  # [n]
     parts_by_sample, n_answer = {}, []
     for i, (ids, p_len) in enumerate(zip(token_lists, prompt_lens)):
-        parts_by_sample[i] = _sample_slots(ids, p_len, float(t[i]), i, mask_token_id, weighting, cart_p, generator)
+        with_suffix = suffix is not None and bool(suffix[i])
+        parts_by_sample[i] = _sample_slots(ids, p_len, float(t[i]), i, mask_token_id, weighting, cart_p, with_suffix,
+                                           generator)
         n_answer.append(int(parts_by_sample[i]["n_answer"]))
 
     fields = ("input_ids", "position_ids", "labels", "weights", "sample_ids", "segment_ids", "block_ids")
@@ -148,13 +162,18 @@ def _pad_answer(index: int, ids: torch.Tensor, prompt_len: int, answer_len: int,
 
 def _sample_slots(
     ids: torch.Tensor, prompt_len: int, t: float, index: int, mask_token_id: int, weighting: str, cart_p: float,
-    generator: torch.Generator | None,
+    with_suffix: bool, generator: torch.Generator | None,
 ) -> dict[str, torch.Tensor]:
     """The slots of one sample, every field ``[l]``, plus its maskable-answer count ``n_answer``."""
     length = ids.numel()
     positions = torch.arange(length)  # [l]
-    maskable = positions >= max(prompt_len, 1)  # [l]
+    first = max(prompt_len, 1)
+    maskable = positions >= first  # [l]
     masked = maskable & (torch.rand(length, generator=generator) < t)  # [l]
+    if with_suffix and length > first:
+        cut = first + int(torch.randint(length - first, (1,), generator=generator))
+        masked |= positions >= cut
+        t = float(masked.sum()) / float(maskable.sum())  # t_eff: the 1/t weight below keeps sum(w) = n_answer
     noisy = torch.where(masked, torch.full_like(ids, mask_token_id), ids)  # [l]
 
     # Logit shift: query i carries the target of position i + 1 when that token is masked.

@@ -50,6 +50,8 @@ class MDMConfig(RecipeConfig):
     normalization: str = "batch"
     # Pad every answer with EOS to exactly this many tokens (and train on them); null = off.
     pad_answer_to: int | None = None
+    # Probability that a sample is also masked from a random cut to its end (data_pipelines.mdm_batch).
+    suffix_mask_prob: float = 0.0
 
 
 class MDMMethod(Method):
@@ -69,6 +71,8 @@ class MDMMethod(Method):
             raise ConfigError(f"config key 'recipe.eps' must be in (0, 1), got {cfg.eps}")
         if not 0 < cfg.cart_p <= 1:
             raise ConfigError(f"config key 'recipe.cart_p' must be in (0, 1], got {cfg.cart_p}")
+        if not 0 <= cfg.suffix_mask_prob <= 1:
+            raise ConfigError(f"config key 'recipe.suffix_mask_prob' must be in [0, 1], got {cfg.suffix_mask_prob}")
         if cfg.pad_answer_to is not None and cfg.pad_answer_to < 1:
             raise ConfigError(f"config key 'recipe.pad_answer_to' must be >= 1 or null, got {cfg.pad_answer_to}")
         self.mask_token_id: int | None = None
@@ -104,6 +108,7 @@ class MDMMethod(Method):
             weighting=self.cfg.weighting,
             cart_p=self.cfg.cart_p,
             pad_answer_to=self.cfg.pad_answer_to,
+            suffix_mask_prob=self.cfg.suffix_mask_prob,
         )
 
     def loss(self, model, batch):

@@ -167,6 +167,35 @@ def test_mask_ratio_follows_t():
     assert float(torch.corrcoef(torch.stack([frac, batch["t"]]))[0, 1]) > 0.9
 
 
+def test_suffix_masking_masks_a_future_and_keeps_the_weight_total():
+    """suffix_mask_prob=1: every answer is all-masked from some cut on (and only randomly before it),
+    each sample's 1/t_eff weights sum to its maskable-token count; the cut is uniform (both ends seen)."""
+    samples = [{"input_ids": list(range(1, 13)) + [EOS], "prompt_len": 3} for _ in range(300)]
+    batch = build(samples, pack_length=13, suffix_mask_prob=1.0)
+    cuts = set()
+    for r in range(len(samples)):  # one sample per row
+        masked = (batch["input_ids"][r] == MASK_ID).tolist()
+        assert not any(masked[:3])
+        first_clean_from_end = max((i for i in range(13) if not masked[i]), default=2)
+        cut = first_clean_from_end + 1
+        assert all(masked[cut:]) and cut <= 12
+        cuts.add(cut)
+        n_masked = sum(masked)
+        weights = batch["weights"][r]
+        assert math.isclose(float(weights.sum()), 10.0, rel_tol=1e-5)  # sum of 1/t_eff = n_answer
+        assert torch.allclose(weights[weights > 0], torch.tensor(10.0 / n_masked))
+    assert {3, 12} <= cuts  # the whole answer, and just the last token
+
+
+def test_suffix_masking_off_keeps_uniform_masking_stream():
+    samples = random_samples(8, seed=2)
+    plain, off = build(samples, seed=5), build(samples, seed=5, suffix_mask_prob=0.0)
+    for key in ("input_ids", "labels", "weights", "t"):
+        assert torch.equal(plain[key], off[key])
+    with pytest.raises(ValueError, match="suffix_mask_prob"):
+        build(samples, suffix_mask_prob=1.5)
+
+
 def test_cart_weights_brute_force():
     clean = torch.tensor([True, False, False, True, False, True, False])
     p = 0.3
