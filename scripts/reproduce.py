@@ -2,7 +2,10 @@
 """Reproduce every table of the README on one machine: the embedded default base, each conversion
 (I-DLM, R-ISD, Jacobi Forcing, ReFusion, MDM), each method's benchmark and the summary table.
 
-Steps run in order, each as its own process, with its output in ``runs/reproduce/logs/<step>.log``.
+Steps run in order, each as its own process, with its output in ``runs/reproduce/logs/<step>.log``,
+single-threaded (``OMP_NUM_THREADS=1``, benchmarks ``--threads 1``): on the 2-core machine torch's
+two OpenMP threads ran the base's training at 1.3-1.6 s per step, against 0.1 s alone, whenever
+anything else used a core; one thread per step keeps the times stable and leaves a core free.
 The run is resumable: a training step is done when its run directory holds ``DONE`` (the trainer
 itself resumes an interrupted run from its last checkpoint); a benchmark step is done when
 ``runs/reproduce/<step>.done`` records the same inputs (the ``DONE`` files of the runs it reads) as
@@ -57,11 +60,11 @@ STEPS: tuple[Step, ...] = (
     train("idlm_default", "03-stride4_more"),
     train("idlm_lora_default"),
     bench("idlm_isd", ["--base", BASE, "--idlm", f"{IDLM}/hf",
-                       "--risd", "runs/idlm_lora_default/hf"],
+                       "--risd", "runs/idlm_lora_default/hf", "--threads", "1"],
           ("runs/default_base", IDLM, "runs/idlm_lora_default")),
     train("jacobi_forcing_default", "01-round2", TORCHRUN_2),
     bench("jacobi_forcing", ["--base", BASE, "--round1", "runs/jacobi_forcing_default/stages/00-round1/hf",
-                             "--round2", f"{JACOBI}/hf"],
+                             "--round2", f"{JACOBI}/hf", "--threads", "1"],
           ("runs/default_base", JACOBI)),
     train("refusion_default"),
     bench("refusion", ["--base", BASE, "--refusion", "runs/refusion_default/hf", "--block-size", "16",
@@ -70,7 +73,7 @@ STEPS: tuple[Step, ...] = (
     train("mdm_default"),
     bench("mdm_flashdlm", ["--base", BASE, "--mdm", "runs/mdm_default/hf", "--threads", "1"],
           ("runs/default_base", "runs/mdm_default")),
-    bench("cover", ["--mdm", "runs/mdm_default/hf"], ("runs/mdm_default",)),
+    bench("cover", ["--mdm", "runs/mdm_default/hf", "--threads", "1"], ("runs/mdm_default",)),
     bench("summary", [], ("runs/default_base", IDLM, "runs/idlm_lora_default", JACOBI, "runs/refusion_default",
                           "runs/mdm_default")),
 )
@@ -128,7 +131,8 @@ def run_step(step: Step, index: int, total: int, heartbeat_s: float) -> float:
         beater = threading.Thread(target=beat, daemon=True)
         beater.start()
         try:
-            code = subprocess.call(step.command, stdout=log, stderr=subprocess.STDOUT)
+            code = subprocess.call(step.command, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
         finally:
             stop.set()
     seconds = time.perf_counter() - start
