@@ -1,8 +1,9 @@
-# python -m benchmarks.jacobi_checkpoint_eval --model runs/jacobi_forcing_default/stages/01-round2/hf --n 16 --mr --num 200 --base-ar runs/base_ar.json
+# python -m benchmarks.jacobi_checkpoint_eval --model runs/jacobi_forcing_default/stages/01-round2/hf --n 16 --mr --base-ar runs/base_ar_val.json
 """Quick evaluation of one Jacobi Forcing checkpoint while tuning a conversion (the README's
 "How the defaults were chosen" rows): AR greedy accuracy, identity with the base's AR greedy output,
 and Jacobi (and with ``--mr`` multi-block K=2, r=0.85, pool 4, verify 4) TPF and identity at block
-sizes n and 2n, on the first ``--num`` held-out problems, batch 1. Prints one ``RESULT {json}`` line.
+sizes n and 2n, on the first ``--num`` problems of the validation split (``--split val``, the
+default: where conversions are tuned) or of the test split, batch 1. Prints one ``RESULT {json}`` line.
 
 ``--save-ar`` (run on the base) writes its AR greedy outputs; ``--base-ar`` reads them back.
 The full side-by-side table with TPS is ``benchmarks/jacobi_forcing.py``.
@@ -15,7 +16,7 @@ import json
 
 import torch
 
-from benchmarks.common import held_out_rows, identical
+from benchmarks.common import held_out_rows, identical, validation_rows
 from inference.checkpoint import load_checkpoint
 from inference.evaluate import evaluate
 
@@ -24,17 +25,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="HF export to evaluate")
     p.add_argument("--n", type=int, default=None, help="trained block size (Jacobi rows at n and 2n); none = AR only")
-    p.add_argument("--num", type=int, default=200, help="held-out problems")
+    p.add_argument("--num", type=int, default=200, help="problems")
+    p.add_argument("--split", choices=("val", "test"), default="val", help="tune on val; report on test")
     p.add_argument("--base-ar", default=None, help="base AR greedy outputs (JSON from --save-ar)")
     p.add_argument("--save-ar", default=None, help="write this model's AR greedy outputs (JSON)")
     p.add_argument("--mr", action="store_true", help="also multi-block + rejection recycling")
     p.add_argument("--tag", default="")
     a = p.parse_args()
     torch.set_num_threads(2)
-    rows = held_out_rows(a.num)
+    rows = validation_rows(a.num) if a.split == "val" else held_out_rows(a.num)
     model, tok = load_checkpoint(a.model)
     common = {"max_new_tokens": 96, "batch_size": 1}
-    out = {"tag": a.tag, "model": a.model}
+    out = {"tag": a.tag, "model": a.model, "split": a.split}
     ar = evaluate(model, tok, rows, {"name": "ar", **common}, agreement=False, shard=False)
     recs = sorted(ar.records, key=lambda r: r["index"])
     out["acc"] = ar.metrics["accuracy"]
