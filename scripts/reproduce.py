@@ -116,14 +116,20 @@ def last_line(path: Path) -> str:
 
 
 def run_step(step: Step, index: int, total: int, heartbeat_s: float) -> float:
+    """Run one step; its time so far is kept in steps.json at every heartbeat, so an attempt that is
+    killed (a session or job ending) still counts when a later invocation finishes the step."""
     log_path = STATE / "logs" / f"{step.name}.log"
     print(f"[{index}/{total}] {step.name}: {' '.join(step.command[1:])}  (log: {log_path})", flush=True)
+    previous = step_times().get(step.name, {})
+    earlier = previous.get("seconds", 0.0) if previous.get("finished") is None else 0.0  # unfinished attempts
     start = time.perf_counter()
     stop = threading.Event()
 
     def beat() -> None:
         while not stop.wait(heartbeat_s):
-            print(f"    ... {step.name} {time.perf_counter() - start:6.0f} s | {last_line(log_path)}", flush=True)
+            elapsed = time.perf_counter() - start
+            record(step.name, earlier + elapsed, finished=False)
+            print(f"    ... {step.name} {elapsed:6.0f} s | {last_line(log_path)}", flush=True)
 
     with log_path.open("a") as log:
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(step.command)}\n")
@@ -135,7 +141,9 @@ def run_step(step: Step, index: int, total: int, heartbeat_s: float) -> float:
                                    env={**os.environ, "OMP_NUM_THREADS": "1"})
         finally:
             stop.set()
-    seconds = time.perf_counter() - start
+            beater.join()
+    seconds = earlier + time.perf_counter() - start
+    record(step.name, seconds, finished=code == 0)
     if code != 0:
         raise SystemExit(f"step {step.name!r} failed with exit code {code} after {seconds:.0f} s; "
                          f"see {log_path}; re-run the same command to resume")
@@ -143,10 +151,16 @@ def run_step(step: Step, index: int, total: int, heartbeat_s: float) -> float:
     return seconds
 
 
-def record(name: str, seconds: float) -> None:
+def step_times() -> dict:
     path = STATE / "steps.json"
-    steps = json.loads(path.read_text()) if path.is_file() else {}
-    steps[name] = {"seconds": round(seconds, 1), "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def record(name: str, seconds: float, finished: bool) -> None:
+    """Wall seconds of a step over all its attempts; ``finished`` is the time it completed, or null."""
+    steps = step_times()
+    steps[name] = {"seconds": round(seconds, 1), "finished": time.strftime("%Y-%m-%d %H:%M:%S") if finished else None}
+    path = STATE / "steps.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(steps, indent=2) + "\n")
     tmp.replace(path)
@@ -177,7 +191,6 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[{i}/{len(steps)}] {step.name}: done, skipped", flush=True)
             continue
         seconds = run_step(step, i, len(steps), args.heartbeat)
-        record(step.name, seconds)
         print(f"[{i}/{len(steps)}] {step.name}: finished in {seconds / 60:.1f} min", flush=True)
     print(f"all steps done ({(time.perf_counter() - wall) / 60:.1f} min this invocation; per-step times in "
           f"{STATE / 'steps.json'}).\nSummary table: benchmarks/results/summary.md (plot: benchmarks/results/summary.png)")

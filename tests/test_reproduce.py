@@ -1,0 +1,67 @@
+"""scripts/reproduce.py: steps run in order, finished ones are skipped, a benchmark re-runs when a
+run it reads was re-trained, and a failed attempt's time counts toward the step's total."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from scripts import reproduce
+
+
+def py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+@pytest.fixture
+def pipeline(tmp_path, monkeypatch):
+    monkeypatch.setattr(reproduce, "ROOT", tmp_path)
+    monkeypatch.chdir(tmp_path)
+    train = reproduce.Step("conv", py("import pathlib; d = pathlib.Path('runs/conv'); d.mkdir(parents=True); "
+                                      "(d / 'DONE').write_text('step 3\\n')"), run_dir="runs/conv")
+    bench = reproduce.Step("bench", py("import pathlib; p = pathlib.Path('calls'); "
+                                       "p.write_text(p.read_text() + 'x' if p.exists() else 'x')"),
+                           inputs=("runs/conv",))
+    monkeypatch.setattr(reproduce, "STEPS", (train, bench))
+    return tmp_path
+
+
+def test_runs_in_order_then_skips_finished_steps(pipeline, capsys):
+    reproduce.main(["--heartbeat", "0.05"])
+    assert (pipeline / "runs/conv/DONE").is_file() and (pipeline / "calls").read_text() == "x"
+    times = json.loads((pipeline / "runs/reproduce/steps.json").read_text())
+    assert set(times) == {"conv", "bench"} and all(t["finished"] for t in times.values())
+    reproduce.main([])
+    assert (pipeline / "calls").read_text() == "x"  # nothing ran again
+    assert capsys.readouterr().out.count("done, skipped") == 2
+
+
+def test_benchmark_reruns_when_its_input_was_retrained(pipeline):
+    reproduce.main([])
+    (pipeline / "runs/conv/DONE").write_text("step 6\n")  # the conversion was trained further
+    reproduce.main([])
+    assert (pipeline / "calls").read_text() == "xx"
+
+
+def test_failed_attempt_counts_toward_the_step_time(pipeline, monkeypatch):
+    failing = reproduce.Step("slow", py("import time, sys; time.sleep(0.3); sys.exit(3)"), run_dir="runs/slow")
+    monkeypatch.setattr(reproduce, "STEPS", (failing,))
+    with pytest.raises(SystemExit, match="exit code 3"):
+        reproduce.main([])
+    first = json.loads((pipeline / "runs/reproduce/steps.json").read_text())["slow"]
+    assert first["finished"] is None and first["seconds"] >= 0.3
+    finishing = reproduce.Step("slow", py("import pathlib; d = pathlib.Path('runs/slow'); d.mkdir(parents=True); "
+                                          "(d / 'DONE').write_text('step 1\\n')"), run_dir="runs/slow")
+    monkeypatch.setattr(reproduce, "STEPS", (finishing,))
+    reproduce.main([])
+    second = json.loads((pipeline / "runs/reproduce/steps.json").read_text())["slow"]
+    assert second["finished"] and second["seconds"] >= first["seconds"]
+
+
+def test_unknown_step_and_missing_input_are_named(pipeline, monkeypatch):
+    with pytest.raises(SystemExit, match="unknown step"):
+        reproduce.main(["--only", "nope"])
+    with pytest.raises(SystemExit, match="runs/conv/DONE"):
+        reproduce.main(["--only", "bench"])
