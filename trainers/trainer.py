@@ -46,6 +46,7 @@ from trainers.config import check_resume_config
 from trainers.data_order import DataOrder
 from trainers.deepspeed_config import build_deepspeed_config
 from trainers.export import export_hf
+from trainers.extension_builds import prepare_extension_builds
 from trainers.metrics_logger import MetricsLogger
 from trainers.preemption import PREEMPTED_MARKER, PreemptionWatch
 from trainers.run_lock import RunLock
@@ -100,6 +101,7 @@ def run_recipe(cfg: DictConfig) -> StageResult:
     """Run the recipe's stages under an exclusive lock on ``output_dir`` (rank 0 holds it; a second
     run in the same directory refuses, naming the holder)."""
     dist_info = init_distributed(single_process_group=True)
+    prepare_extension_builds()
     import deepspeed
 
     # DeepSpeed's comm layer wraps the group just started (left to itself it would pick its CPU
