@@ -46,7 +46,7 @@ from trainers.config import check_resume_config
 from trainers.data_order import DataOrder
 from trainers.deepspeed_config import build_deepspeed_config
 from trainers.export import export_hf
-from trainers.extension_builds import prepare_extension_builds
+from trainers.extension_builds import guarded_extension_builds
 from trainers.metrics_logger import MetricsLogger
 from trainers.preemption import PREEMPTED_MARKER, PreemptionWatch
 from trainers.run_lock import RunLock
@@ -101,12 +101,14 @@ def run_recipe(cfg: DictConfig) -> StageResult:
     """Run the recipe's stages under an exclusive lock on ``output_dir`` (rank 0 holds it; a second
     run in the same directory refuses, naming the holder)."""
     dist_info = init_distributed(single_process_group=True)
-    prepare_extension_builds()
     import deepspeed
 
     # DeepSpeed's comm layer wraps the group just started (left to itself it would pick its CPU
-    # accelerator's default backend, not the gloo group, and see a world of one).
-    deepspeed.init_distributed(dist_backend="nccl" if dist_info.device.type == "cuda" else "gloo", auto_mpi_discovery=False)
+    # accelerator's default backend, not the gloo group, and see a world of one). On CPU it also
+    # compiles its shared-memory op here, under the build guard.
+    with guarded_extension_builds():
+        deepspeed.init_distributed(dist_backend="nccl" if dist_info.device.type == "cuda" else "gloo",
+                                   auto_mpi_discovery=False)
     stages = expand_stages(cfg)
     root = Path(cfg.output_dir)
     lock = run_on_main(lambda: RunLock(root).acquire(), dist_info.is_main, share_result=False)
