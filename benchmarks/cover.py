@@ -1,4 +1,4 @@
-# python -m benchmarks.cover --mdm /work/mdm_runs/mdm_base1500_1000steps/hf
+# python -m benchmarks.cover --mdm runs/mdm_default/hf
 """COVER against the MDM decoders it is measured with, on an MDM export of the embedded default.
 
 Rows (same generation length and block, batch 1, greedy, one process, one after the other, each
@@ -6,8 +6,8 @@ after an untimed warm-up on two problems): LLaDA low-confidence with one token p
 paper's baseline, the TPS reference), Fast-dLLM threshold (prefix cache, tau 0.9), WINO (official
 0.6 / 0.9), COVER, and COVER without KV override (same settings). COVER's tau_draft is chosen on a
 *validation* split first (``--taus``; best accuracy, then fewest steps), then every row runs on the
-held-out test problems. The validation problems are drawn by the embedded generator with another
-seed, minus every prompt of the default train and test splits.
+held-out test problems. The validation problems are the generator's ``val`` split (disjoint from
+train and test).
 
 Columns: accuracy (exact ``#### n``), steps per sample (= forwards), TPF (committed tokens /
 forwards), TPS and TPS / baseline (shared CPU: indicative only), revisions per sample (COVER:
@@ -18,18 +18,13 @@ position ends with a different token, pooled). Writes ``benchmarks/results/cover
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 from pathlib import Path
 
-import datasets
 import torch
-from omegaconf import OmegaConf
 
-from benchmarks.common import held_out_rows
-from data_pipelines.config import DataConfig
-from data_pipelines.synthetic_gsm import generate_split
+from benchmarks.common import held_out_rows, validation_rows
 from inference.checkpoint import load_checkpoint
 from inference.evaluate import evaluate
 
@@ -44,21 +39,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--taus", default="0.7,0.8,0.9", help="COVER tau_draft grid, tuned on the validation split")
-    p.add_argument("--validation-seed", type=int, default=98765)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=str(RESULTS / "cover"))
     return p.parse_args()
-
-
-def validation_rows(num: int, seed: int) -> datasets.Dataset:
-    """``num`` problems from the embedded generator with ``seed``, none in the default train/test."""
-    cfg = OmegaConf.to_object(OmegaConf.structured(DataConfig)).synthetic
-    seen = {r["prompt"] for r in generate_split(cfg, "train")} | {r["prompt"] for r in generate_split(cfg, "test")}
-    other = dataclasses.replace(cfg, seed=seed, num_test=4 * num)
-    rows = [r for r in generate_split(other, "test") if r["prompt"] not in seen][:num]
-    if len(rows) < num:
-        raise RuntimeError(f"only {len(rows)} unseen validation problems")
-    return datasets.Dataset.from_list(rows)
 
 
 def run(model, tok, rows, decoder: dict, warmup) -> dict:
@@ -94,7 +77,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, tok = load_checkpoint(args.mdm, device="cpu")
     test = held_out_rows(args.num_samples)
-    val = validation_rows(args.num_validation, args.validation_seed)
+    val = validation_rows(args.num_validation)
     warmup = test.select(range(min(2, len(test))))
     common = {"max_new_tokens": args.max_new_tokens, "block_size": args.block_size, "batch_size": 1}
 
@@ -132,8 +115,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(
         f"Command: {command}\n\nCheckpoint: {args.mdm}. Test: the first {args.num_samples} held-out problems; "
-        f"COVER's tau_draft tuned on {args.num_validation} validation problems (generator seed "
-        f"{args.validation_seed}, default train/test prompts removed). CPU, {args.threads} thread(s), shared "
+        f"COVER's tau_draft tuned on the first {args.num_validation} problems of the generator's val split. CPU, {args.threads} thread(s), shared "
         f"machine: TPS is indicative only.\n\nValidation (COVER):\n\n{tune_md}\n\nTest:\n\n{md}\n")
     out.with_suffix(".json").write_text(json.dumps({"validation": tuning, "test": table}, indent=2))
 

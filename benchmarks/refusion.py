@@ -13,7 +13,8 @@ One run, two phases, every row at batch 1 in this process after an untimed warm-
    every tau of the sweep with KV reuse, and the chosen tau again with ``kv_reuse=false`` (the whole
    context recomputed every forward, the paper's ablation).
 
-Columns: accuracy (exact ``#### n``); TPF = committed tokens / decoding forwards and NFE per sample
+Columns: accuracy (exact ``#### n``); = base AR greedy (share of samples whose output tokens equal the
+base's AR greedy output exactly); TPF = committed tokens / decoding forwards and NFE per sample
 (SPEC §0: prefill excluded, nothing after EOS); TPS and TPS / base AR; slots / step = slots
 accepted per plan-and-infill iteration. Slot size k: the checkpoint's ``pardec.slot_size`` unless
 ``--slot-size``; semi-AR block ``--block-size``.
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import held_out_rows, validation_rows
+from benchmarks.common import held_out_rows, identical, validation_rows
 from inference.checkpoint import load_checkpoint
 from inference.evaluate import evaluate
 
@@ -57,24 +58,27 @@ def parse_args() -> argparse.Namespace:
 def run_row(label: str, model, tok, rows, decoder: dict) -> dict:
     warmup = rows.select(range(min(2, len(rows))))
     evaluate(model, tok, warmup, decoder, agreement=False, shard=False)  # untimed warm-up
-    m = evaluate(model, tok, rows, decoder, agreement=False, shard=False, progress=True).metrics
+    result = evaluate(model, tok, rows, decoder, agreement=False, shard=False, progress=True)
+    m = result.metrics
     row = {"decoder": label, "accuracy": m["accuracy"], "tpf": m["tpf"], "nfe_per_sample": m["nfe_per_sample"],
            "tps": m["tps"], "slots_per_step": m.get("refusion_slots_per_step"), "config": decoder}
     print(json.dumps(row), flush=True)
-    return row
+    return row, sorted(result.records, key=lambda r: r["index"])
 
 
 def phase(args, models, rows, thresholds, recompute_tau=None) -> list[dict]:
     common = {"max_new_tokens": args.max_new_tokens, "batch_size": 1}
     refusion = {"name": "refusion", **common, "slot_size": args.slot_size, "block_size": args.block_size}
-    table = [run_row("AR greedy (base)", *models["base"], rows, {"name": "ar", **common})]
+    runs = [run_row("AR greedy (base)", *models["base"], rows, {"name": "ar", **common})]
     for tau in thresholds:
-        table.append(run_row(f"ReFusion tau={tau:g}", *models["refusion"], rows, {**refusion, "threshold": tau}))
+        runs.append(run_row(f"ReFusion tau={tau:g}", *models["refusion"], rows, {**refusion, "threshold": tau}))
     if recompute_tau is not None:
-        table.append(run_row(f"ReFusion tau={recompute_tau:g}, kv_reuse=false", *models["refusion"], rows,
-                             {**refusion, "threshold": recompute_tau, "kv_reuse": False}))
-    for r in table:
-        r["tps_ratio"] = r["tps"] / table[0]["tps"]
+        runs.append(run_row(f"ReFusion tau={recompute_tau:g}, kv_reuse=false", *models["refusion"], rows,
+                            {**refusion, "threshold": recompute_tau, "kv_reuse": False}))
+    (base, base_records), table = runs[0], [row for row, _ in runs]
+    for row, records in runs:
+        row["tps_ratio"] = row["tps"] / base["tps"]
+        row["identical_to_base"] = identical(records, base_records)
     return table
 
 
@@ -92,11 +96,11 @@ def choose_tau(val_table: list[dict], max_drop: float) -> tuple[float, str]:
 
 def markdown(table: list[dict]) -> str:
     fmt = lambda v, spec: "—" if v is None else format(v, spec)
-    lines = ["| decoder | accuracy | TPF | NFE / sample | TPS | TPS / base AR | slots / step |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| decoder | accuracy | = base AR greedy | TPF | NFE / sample | TPS | TPS / base AR | slots / step |",
+             "|---|---|---|---|---|---|---|---|"]
     lines += [
-        f"| {r['decoder']} | {r['accuracy']:.1%} | {r['tpf']:.2f} | {r['nfe_per_sample']:.1f} | {r['tps']:.1f} | "
-        f"{r['tps_ratio']:.2f}x | {fmt(r['slots_per_step'], '.2f')} |"
+        f"| {r['decoder']} | {r['accuracy']:.1%} | {r['identical_to_base']:.1%} | {r['tpf']:.2f} | "
+        f"{r['nfe_per_sample']:.1f} | {r['tps']:.1f} | {r['tps_ratio']:.2f}x | {fmt(r['slots_per_step'], '.2f')} |"
         for r in table
     ]
     return "\n".join(lines)
