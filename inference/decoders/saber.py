@@ -43,6 +43,8 @@ softmax probability of its argmax token; decoded, the probability of the token i
   out-of-block positions) and ``mu_t`` at the number of candidates.
 - Semi-AR blocks and the EOS stop as the other MDM decoders (``block_size``; the official code fills the
   whole length, block = length in its configs).
+- This follows the official LLaDA script; its Dream script (``Dream/generation_utils.py``) instead re-masks the
+  decoded tokens of lowest current probability, fresh drafts included, and is not offered.
 """
 
 from __future__ import annotations
