@@ -4,15 +4,15 @@
 Rows (same generation length and block, batch 1, greedy, one process, one after the other, each
 after an untimed warm-up on two problems): LLaDA low-confidence with one token per step (the
 paper's baseline, the TPS reference), Fast-dLLM threshold (prefix cache, tau 0.9), WINO (official
-0.6 / 0.9), COVER, and COVER without KV override (same settings). COVER's tau_draft is chosen on a
-*validation* split first (``--taus``; best accuracy, then fewest steps), then every row runs on the
-held-out test problems. The validation problems are the generator's ``val`` split (disjoint from
-train and test).
+0.6 / 0.9), Saber (official n = 2, mu = 8), COVER, and COVER without KV override (same settings).
+COVER's tau_draft is chosen on a *validation* split first (``--taus``; best accuracy, then fewest
+steps), then every row runs on the held-out test problems. The validation problems are the
+generator's ``val`` split (disjoint from train and test).
 
 Columns: accuracy (exact ``#### n``), steps per sample (= forwards), TPF (committed tokens /
 forwards), TPS and TPS / baseline (shared CPU: indicative only), revisions per sample (COVER:
-ReMask + Replace; WINO: ReMask), flip-flops per sample, effective-revision ratio (revisions whose
-position ends with a different token, pooled). Writes ``benchmarks/results/cover.{md,json}``.
+ReMask + Replace; WINO, Saber: ReMask), flip-flops per sample, effective-revision ratio (revisions
+whose position ends with a different token, pooled). Writes ``benchmarks/results/cover.{md,json}``.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ def main() -> None:
         ("LLaDA low-confidence, 1 token/step (baseline)", {"name": "mdm_lowconf"}),
         ("Fast-dLLM threshold 0.9 (prefix cache)", {"name": "mdm_threshold", "threshold": 0.9}),
         ("WINO 0.6 / 0.9", {"name": "wino", "threshold": 0.6, "threshold_back": 0.9}),
+        ("Saber n=2 / mu=8", {"name": "saber", "min_tokens": 2, "remask_divisor": 8}),
         (f"COVER tau={tau}", {"name": "cover", "draft_threshold": tau}),
         (f"COVER tau={tau} without override", {"name": "cover", "draft_threshold": tau, "override": False}),
     ]

@@ -50,7 +50,7 @@ the TPF over all forwards and over DLM forwards alone.
 (:class:`RevisionLog`; all zero for the non-revocable decoders here, whose commits never change)
 and ``tokens_per_step``; ``summarize`` adds their per-sample means and the pooled
 effective-revision ratio (:func:`revision_summary`). The revocable decoders are
-:mod:`inference.decoders.cover` and :mod:`inference.decoders.wino`.
+:mod:`inference.decoders.cover`, :mod:`inference.decoders.wino` and :mod:`inference.decoders.saber`.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ _DECODERS = {
     "mdm_guided": "inference.decoders.mdm_guided:MDMGuidedDecoder:MDMGuidedConfig",
     "cover": "inference.decoders.cover:CoverDecoder:CoverConfig",
     "wino": "inference.decoders.wino:WinoDecoder:WinoConfig",
+    "saber": "inference.decoders.saber:SaberDecoder:SaberConfig",
     "refusion": "inference.decoders.refusion:ReFusionDecoder:ReFusionDecoderConfig",
 }
 
