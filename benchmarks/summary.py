@@ -113,6 +113,7 @@ ROWS: tuple[Row, ...] = (
     Row("MDM", "MDM + base as guide", "mdm_flashdlm", "Guided (shifted, strict; = base AR greedy)", "guided (shifted)",
         "mdm_default", "base"),
     Row("MDM", "MDM", "cover", "WINO 0.6 / 0.9", "WINO", "mdm_default"),
+    Row("MDM", "MDM", "cover", "Saber n=2 / mu=8", "Saber", "mdm_default"),
     Row("MDM", "MDM", "cover", _cover_chosen, "COVER", "mdm_default"),
 )
 
