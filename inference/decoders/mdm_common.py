@@ -179,17 +179,21 @@ class MDMDecoder(PerSampleDecoder):
         positions, ``masked [B]`` marks the positions still masked (at least one)."""
         raise NotImplementedError
 
+    def start_run(self, model, prompt: list[int], what: str) -> BlockRun:
+        """The checks and set-up every MDM decode starts with: a non-empty prompt, a dense attention
+        backend (``what`` names the decoder in the error), an MDM checkpoint, the block layout."""
+        if not prompt:
+            raise ValueError("MDM decoding needs at least one prompt token (got an empty prompt)")
+        require_dense_attention(model, what)
+        info = mdm_info(model, self.tokenizer)
+        return BlockRun(self, model, info, prompt, self.cfg.max_new_tokens, self.block_size(info), model_device(model))
+
     # -- the loop ----------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def decode_one(self, model, prompt: list[int], eos_token_ids: Collection[int], seed: int) -> DecodeResult:
-        if not prompt:
-            raise ValueError("MDM decoding needs at least one prompt token (got an empty prompt)")
-        require_dense_attention(model, "MDM decoding")
-        info = mdm_info(model, self.tokenizer)
-        block = self.block_size(info)
-        device = model_device(model)
-        run = BlockRun(self, model, info, prompt, self.cfg.max_new_tokens, block, device)
+        run = self.start_run(model, prompt, "MDM decoding")
+        info, block, device = run.info, run.block, run.x.device
         self.begin(model, prompt)
         eos = set(eos_token_ids)
 

@@ -56,9 +56,8 @@ from dataclasses import dataclass
 import torch
 
 from common.errors import ConfigError
-from inference.decoders.base import DecodeResult, LoopTimer, model_device
-from inference.decoders.mdm_common import NONE, BlockRun, MDMDecoder, MDMDecoderConfig, RevisionLog, mdm_info
-from masks.core import require_dense_attention
+from inference.decoders.base import DecodeResult, LoopTimer
+from inference.decoders.mdm_common import NONE, MDMDecoder, MDMDecoderConfig, RevisionLog
 
 
 @dataclass
@@ -132,13 +131,8 @@ class SaberDecoder(MDMDecoder):
 
     @torch.inference_mode()
     def decode_one(self, model, prompt: list[int], eos_token_ids: Collection[int], seed: int) -> DecodeResult:
-        if not prompt:
-            raise ValueError("MDM decoding needs at least one prompt token (got an empty prompt)")
-        require_dense_attention(model, "Saber decoding")
-        info = mdm_info(model, self.tokenizer)
-        block = self.block_size(info)
-        device = model_device(model)
-        run = BlockRun(self, model, info, prompt, self.cfg.max_new_tokens, block, device)
+        run = self.start_run(model, prompt, "Saber decoding")
+        info, block, device = run.info, run.block, run.x.device
         eos = set(eos_token_ids)
         log = RevisionLog()
         mask_id = info.mask_id
