@@ -73,7 +73,6 @@ import torch
 from common.errors import ConfigError
 from inference.decoders.base import DecodeResult, LoopTimer, model_device
 from inference.decoders.mdm_common import (
-    NONE,
     REMASK,
     REPLACE,
     BlockRun,
@@ -183,6 +182,7 @@ def select_seeds(scores: torch.Tensor, pool: torch.Tensor, eligible: torch.Tenso
 
 class CoverDecoder(MDMDecoder):
     name = "cover"
+    no_freecache_reason = "COVER runs one full forward per step (its K/V override replaces the previous step's K/V)"
 
     def __init__(self, cfg: CoverConfig, tokenizer):
         super().__init__(cfg, tokenizer)
@@ -192,13 +192,6 @@ class CoverDecoder(MDMDecoder):
             raise ConfigError(f"config key 'decoder.draft_budget' must be >= 1, got {cfg.draft_budget}")
         if cfg.max_revisions < 0:
             raise ConfigError(f"config key 'decoder.max_revisions' must be >= 0, got {cfg.max_revisions}")
-        if cfg.freecache:
-            raise ConfigError("config key 'decoder.freecache' = true: COVER runs one full forward per step "
-                              "(its K/V override replaces the previous step's K/V); use freecache=false")
-
-    @property
-    def default_cache(self) -> str:
-        return NONE
 
     @contextlib.contextmanager
     def prepare(self, model) -> Iterator[None]:

@@ -122,9 +122,13 @@ class MDMDecoder(PerSampleDecoder):
 
     # The cache mode when freecache is off (threshold decoding overrides it with its option).
     default_cache = NONE
+    # Why a decoder cannot use FreeCache (it needs one full forward per step), or None when it can.
+    no_freecache_reason: str | None = None
 
     def __init__(self, cfg: MDMDecoderConfig, tokenizer):
         super().__init__(cfg, tokenizer)
+        if cfg.freecache and self.no_freecache_reason:
+            raise ConfigError(f"config key 'decoder.freecache' = true: {self.no_freecache_reason}; use freecache=false")
         if cfg.block_size is not None and cfg.block_size < 1:
             raise ConfigError(f"config key 'decoder.block_size' must be >= 1, got {cfg.block_size}")
         if cfg.freecache_mode not in ("refresh", "freeze_last"):

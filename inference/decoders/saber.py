@@ -57,7 +57,7 @@ import torch
 
 from common.errors import ConfigError
 from inference.decoders.base import DecodeResult, LoopTimer
-from inference.decoders.mdm_common import NONE, MDMDecoder, MDMDecoderConfig, RevisionLog
+from inference.decoders.mdm_common import MDMDecoder, MDMDecoderConfig, RevisionLog
 
 
 @dataclass
@@ -115,19 +115,13 @@ def saber_step(probs: torch.Tensor, current: torch.Tensor, masked: torch.Tensor,
 
 class SaberDecoder(MDMDecoder):
     name = "saber"
+    no_freecache_reason = "Saber runs one full forward per step"
 
     def __init__(self, cfg: SaberConfig, tokenizer):
         super().__init__(cfg, tokenizer)
         for key in ("min_tokens", "remask_divisor"):
             if getattr(cfg, key) < 1:
                 raise ConfigError(f"config key 'decoder.{key}' must be >= 1, got {getattr(cfg, key)}")
-        if cfg.freecache:
-            raise ConfigError("config key 'decoder.freecache' = true: Saber runs one full forward per step; "
-                              "use freecache=false")
-
-    @property
-    def default_cache(self) -> str:
-        return NONE
 
     @torch.inference_mode()
     def decode_one(self, model, prompt: list[int], eos_token_ids: Collection[int], seed: int) -> DecodeResult:

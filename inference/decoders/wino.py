@@ -37,7 +37,7 @@ import torch
 
 from common.errors import ConfigError
 from inference.decoders.base import DecodeResult, LoopTimer
-from inference.decoders.mdm_common import NONE, BlockRun, MDMDecoder, MDMDecoderConfig, RevisionLog
+from inference.decoders.mdm_common import BlockRun, MDMDecoder, MDMDecoderConfig, RevisionLog
 
 FIRST_LAST_ACCEPT = 30  # official: the ReMask cap before a block's first step
 
@@ -86,6 +86,7 @@ def wino_remask(conf_back: torch.Tensor, verified: torch.Tensor, threshold_back:
 
 class WinoDecoder(MDMDecoder):
     name = "wino"
+    no_freecache_reason = "WINO runs one full forward per step"
 
     def __init__(self, cfg: WinoConfig, tokenizer):
         super().__init__(cfg, tokenizer)
@@ -95,13 +96,6 @@ class WinoDecoder(MDMDecoder):
                 raise ConfigError(f"config key 'decoder.{key}' must be in [0, 1], got {value}")
         if cfg.max_block_steps is not None and cfg.max_block_steps < 1:
             raise ConfigError(f"config key 'decoder.max_block_steps' must be >= 1, got {cfg.max_block_steps}")
-        if cfg.freecache:
-            raise ConfigError("config key 'decoder.freecache' = true: WINO runs one full forward per step; "
-                              "use freecache=false")
-
-    @property
-    def default_cache(self) -> str:
-        return NONE
 
     def shadow_forward(self, run: BlockRun, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(real logits [B, V] predicting the block, shadow logits [B, V] verifying it)``."""
