@@ -11,7 +11,7 @@ the very same function serves two backends:
   Decoders use it too, with ``kv_cache_len`` = the KV-cache length: a step's query i is then key
   ``kv_cache_len + i``, so the predicate sees the same (q, kv) indices as over the whole sequence.
 * ``flex_block_mask`` hands it to a compiled ``create_block_mask`` (GPU) and returns a
-  ``BlockMask`` for ``attn_implementation="flex_attention"``.
+  ``BlockMask`` for ``attn_implementation`` ``flex_attention`` or ``pardec_flex``.
 
 ``AttentionSpec`` carries (predicate factory, metadata) inside a batch, so collators stay free of
 any backend choice and the model wrapper materialises the mask it needs.
@@ -32,6 +32,9 @@ MaskFactory = Callable[..., MaskMod]
 
 DENSE_BACKENDS = ("sdpa", "eager")
 FLEX_BACKEND = "flex_attention"
+# pardec's FlexAttention entry (models/flex_attention.py): static-shape compile, in-kernel GQA.
+COMPILED_FLEX_BACKEND = "pardec_flex"
+FLEX_BACKENDS = (FLEX_BACKEND, COMPILED_FLEX_BACKEND)
 FLASH_BACKEND = "flash_attention_2"
 
 
@@ -138,7 +141,7 @@ def materialize(spec: AttentionSpec | None, attn_implementation: str, dtype: tor
         return None
     if attn_implementation in DENSE_BACKENDS:
         return dense_additive_mask(spec, dtype)
-    if attn_implementation == FLEX_BACKEND:
+    if attn_implementation in FLEX_BACKENDS:
         return flex_block_mask(spec)
     if attn_implementation == FLASH_BACKEND:
         if not spec.causal_document:

@@ -27,6 +27,10 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, A
 from common.constants import MASK_TOKEN, METADATA_KEY
 from common.errors import CheckpointError, ConfigError
 from common.metadata import CheckpointMetadata
+from masks.core import COMPILED_FLEX_BACKEND, FLEX_BACKENDS
+from models import flex_attention
+
+flex_attention.register()
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +57,20 @@ def resolve_dtype(name: str, on_gpu: bool, key: str = "model.dtype") -> torch.dt
 
 
 def resolve_attn_implementation(name: str, on_gpu: bool, needs_custom_mask: bool) -> str:
-    """``auto``: flex_attention for structured masks on GPU, flash-attn for plain causal on GPU
-    when installed, sdpa otherwise (CPU). An explicit choice is checked against what is available."""
+    """``auto``: pardec's FlexAttention (``models/flex_attention.py``) for structured masks on GPU,
+    flash-attn for plain causal on GPU when installed, sdpa otherwise (CPU). An explicit choice is
+    checked against what is available."""
     if name == "auto":
         if not on_gpu:
             return "sdpa"
         if needs_custom_mask:
-            return "flex_attention"
+            return COMPILED_FLEX_BACKEND
         return "flash_attention_2" if _has_flash_attn() else "sdpa"
     if name == "flash_attention_2" and not (on_gpu and _has_flash_attn()):
         raise ConfigError("model.attn_implementation=flash_attention_2 needs a CUDA GPU and the 'gpu' extra (flash-attn)")
-    if name == "flex_attention" and not on_gpu:
+    if name in FLEX_BACKENDS and not on_gpu:
         raise ConfigError(
-            "model.attn_implementation=flex_attention needs a CUDA GPU (FlexAttention has no CPU backward); use sdpa on CPU"
+            f"model.attn_implementation={name} needs a CUDA GPU (FlexAttention has no CPU backward); use sdpa on CPU"
         )
     return name
 

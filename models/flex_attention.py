@@ -1,0 +1,62 @@
+"""FlexAttention compiled once per shape, for the packed structured masks of training (GPU).
+
+``attn_implementation=pardec_flex`` runs ``torch.nn.attention.flex_attention`` on the ``BlockMask``
+that ``masks.core.flex_block_mask`` builds from a recipe's mask predicate, through a function
+registered with transformers' ``AttentionInterface``. It differs from transformers' own
+``flex_attention`` entry in three ways, each of which showed in the GPU profile of
+``benchmarks/mask_backends.py --profile``:
+
+* it is compiled with ``dynamic=False``: transformers compiles ``flex_attention`` with automatic
+  dynamic shapes, so the second sequence length a process sees recompiles it into a dynamic-shape
+  kernel that stays in use for every later length;
+* it passes no ``score_mod``: transformers passes a closure (adding an optional dense score mask,
+  soft-capping and position bias) that is an identity here;
+* grouped-query attention runs inside the kernel (``enable_gqa``) for any head ratio: transformers
+  repeats K/V to the query heads whenever the query head count is not a power of two (14 heads in
+  Qwen2.5-0.5B).
+
+Each distinct (batch, heads, query length, key length) compiles once; training packs rows to a fixed
+length, so a run compiles once. Without a ``BlockMask`` (a model called with no mask) it builds
+transformers' causal ``BlockMask``, like the built-in entry.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flex_attention_mask
+
+from masks.core import COMPILED_FLEX_BACKEND
+
+
+@lru_cache(maxsize=1)
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def compiled_flex_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: ``query`` ``[b, h, q, d]``, ``key``/``value`` ``[b, h_kv, kv, d]``,
+    ``attention_mask`` a ``BlockMask``; returns ``([b, q, h, d], None)``."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if dropout > 0:
+        raise ValueError(f"attn_implementation={COMPILED_FLEX_BACKEND!r} has no attention dropout; set it to 0")
+    if not isinstance(attention_mask, BlockMask):
+        raise TypeError(
+            f"attn_implementation={COMPILED_FLEX_BACKEND!r} needs a BlockMask (masks.core.flex_block_mask), "
+            f"got {type(attention_mask).__name__}"
+        )
+    out = _compiled_flex_attention()(
+        query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+    )  # [b, h, q, d]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Make :data:`COMPILED_FLEX_BACKEND` a valid ``attn_implementation`` (idempotent)."""
+    AttentionInterface.register(COMPILED_FLEX_BACKEND, compiled_flex_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(COMPILED_FLEX_BACKEND, flex_attention_mask)
