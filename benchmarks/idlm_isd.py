@@ -116,8 +116,9 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(
-        f"Command: python -m benchmarks.idlm_isd --base {args.base} --idlm {args.idlm} --risd {args.risd} "
-        f"--num-samples {args.num_samples} --max-new-tokens {args.max_new_tokens}\n\n{md}\n")
+        f"Command: python -m benchmarks.idlm_isd --base {args.base} --idlm {args.idlm}"
+        + (f" --risd {args.risd}" if args.risd else "")
+        + f" --num-samples {args.num_samples} --max-new-tokens {args.max_new_tokens}\n\n{md}\n")
     out.with_suffix(".json").write_text(json.dumps(table, indent=2))
 
 
