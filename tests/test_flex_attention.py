@@ -79,3 +79,18 @@ def test_pardec_flex_equals_dense_sdpa_forward_and_backward(build):
         torch.testing.assert_close(flex_logits, ref_logits, atol=2e-3, rtol=2e-3)
         for name, grad in ref_grads.items():
             torch.testing.assert_close(flex_grads[name], grad, atol=2e-3, rtol=2e-3, msg=name)
+
+
+def test_mask_tiles_streams_contiguous_row_is_the_same_attention():
+    """benchmarks/mask_tiles.py reorders a Jacobi row by stream: the same (query, key) pairs attend."""
+    from benchmarks.mask_tiles import streams_contiguous
+    from masks.core import dense_bool_mask
+
+    spec = jacobi_row(256)["attention"]
+    reordered = streams_contiguous(spec)
+    stream = spec.metadata["stream"][0]
+    order = torch.argsort(stream * stream.numel() + torch.arange(stream.numel()))
+    original = dense_bool_mask(spec.mask_mod(), 1, 256, 256)[0]  # [s, s]
+    permuted = dense_bool_mask(reordered.mask_mod(), 1, 256, 256)[0]  # [s, s]
+    assert torch.equal(permuted, original[order][:, order])
+    assert not torch.equal(order, torch.arange(256))  # the reorder moved tokens
