@@ -3,8 +3,9 @@
 ``attn_implementation=pardec_flex`` runs ``torch.nn.attention.flex_attention`` on the ``BlockMask``
 that ``masks.core.flex_block_mask`` builds from a recipe's mask predicate, through a function
 registered with transformers' ``AttentionInterface``. It differs from transformers' own
-``flex_attention`` entry in three ways, each of which showed in the GPU profile of
-``benchmarks/mask_backends.py --profile``:
+``flex_attention`` entry (transformers 5.x, read from its code) in three ways; on an H100 it was
+1.03-1.15x faster with 0.3-1.1 GiB less peak memory at 4k-16k tokens
+(``benchmarks/results/mask_backends_flex_entries.md``):
 
 * it is compiled with ``dynamic=False``: transformers compiles ``flex_attention`` with automatic
   dynamic shapes, so the second sequence length a process sees recompiles it into a dynamic-shape
