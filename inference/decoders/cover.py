@@ -308,11 +308,5 @@ class CoverDecoder(MDMDecoder):
                 if run.done(eos):
                     break
 
-        tokens = run.output(eos)
-        stats = {"dlm_forwards": run.dlm_forwards, "guide_forwards": 0, "cache_mode": self.cache_mode,
-                 "block_size": block, "steps": run.dlm_forwards, "capped_remasks": capped,
-                 "seeds": n_seeds, "fresh_seeds": fresh_seeds,
-                 "override": cfg.override, **log.summary(run.x.tolist(), mask_id)}
-        stats["tokens_per_step"] = len(tokens) / run.dlm_forwards if run.dlm_forwards else 0.0
-        return DecodeResult(tokens=tokens, forwards=run.dlm_forwards, committed=len(tokens),
-                            wall_time_s=timer.elapsed, hit_eos=bool(tokens) and tokens[-1] in eos, stats=stats)
+        return self.finish_run(run, eos, timer.elapsed, log, capped_remasks=capped, seeds=n_seeds,
+                               fresh_seeds=fresh_seeds, override=cfg.override)

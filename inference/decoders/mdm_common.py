@@ -197,7 +197,7 @@ class MDMDecoder(PerSampleDecoder):
     @torch.inference_mode()
     def decode_one(self, model, prompt: list[int], eos_token_ids: Collection[int], seed: int) -> DecodeResult:
         run = self.start_run(model, prompt, "MDM decoding")
-        info, block, device = run.info, run.block, run.x.device
+        device = run.x.device
         self.begin(model, prompt)
         eos = set(eos_token_ids)
 
@@ -215,12 +215,20 @@ class MDMDecoder(PerSampleDecoder):
                 if run.done(eos):
                     break
 
+        return self.finish_run(run, eos, timer.elapsed)
+
+    def finish_run(self, run: BlockRun, eos: set[int], elapsed: float, log: RevisionLog | None = None,
+                   **extra: Any) -> DecodeResult:
+        """The result every MDM decode ends with: the tokens up to and including the first EOS, and
+        the stats all MDM decoders report (forwards, steps, ``log``'s revision counters, tokens per
+        step, ``run.extra``), plus the decoder's own ``extra`` counters."""
         tokens = run.output(eos)
+        revisions = (log or RevisionLog()).summary(run.x.tolist(), run.info.mask_id)
         stats = {"dlm_forwards": run.dlm_forwards, "guide_forwards": run.guide_forwards, "cache_mode": self.cache_mode,
-                 "block_size": block, "steps": run.dlm_forwards, **RevisionLog().summary([], info.mask_id),
-                 "tokens_per_step": len(tokens) / run.dlm_forwards if run.dlm_forwards else 0.0, **run.extra}
+                 "block_size": run.block, "steps": run.dlm_forwards, **revisions,
+                 "tokens_per_step": len(tokens) / run.dlm_forwards if run.dlm_forwards else 0.0, **run.extra, **extra}
         return DecodeResult(tokens=tokens, forwards=run.dlm_forwards + run.guide_forwards, committed=len(tokens),
-                            wall_time_s=timer.elapsed, hit_eos=bool(tokens) and tokens[-1] in eos, stats=stats)
+                            wall_time_s=elapsed, hit_eos=bool(tokens) and tokens[-1] in eos, stats=stats)
 
 
 class RevisionLog:

@@ -156,9 +156,4 @@ class WinoDecoder(MDMDecoder):
                 if run.done(eos):
                     break
 
-        tokens = run.output(eos)
-        stats = {"dlm_forwards": run.dlm_forwards, "guide_forwards": 0, "cache_mode": self.cache_mode,
-                 "block_size": block, "steps": run.dlm_forwards, "remask_stopped": stopped, **log.summary(run.x.tolist(), mask_id)}
-        stats["tokens_per_step"] = len(tokens) / run.dlm_forwards if run.dlm_forwards else 0.0
-        return DecodeResult(tokens=tokens, forwards=run.dlm_forwards, committed=len(tokens),
-                            wall_time_s=timer.elapsed, hit_eos=bool(tokens) and tokens[-1] in eos, stats=stats)
+        return self.finish_run(run, eos, timer.elapsed, log, remask_stopped=stopped)
