@@ -26,6 +26,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flex_attention_mask
 
@@ -34,16 +35,12 @@ from masks.core import COMPILED_FLEX_BACKEND
 
 @lru_cache(maxsize=1)
 def _compiled_flex_attention():
-    from torch.nn.attention.flex_attention import flex_attention
-
     return torch.compile(flex_attention, dynamic=False)
 
 
 def compiled_flex_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: ``query`` ``[b, h, q, d]``, ``key``/``value`` ``[b, h_kv, kv, d]``,
     ``attention_mask`` a ``BlockMask``; returns ``([b, q, h, d], None)``."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     if dropout > 0:
         raise ValueError(f"attn_implementation={COMPILED_FLEX_BACKEND!r} has no attention dropout; set it to 0")
     if not isinstance(attention_mask, BlockMask):

@@ -12,7 +12,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from common.errors import CheckpointError, ConfigError
+from common.errors import ConfigError
 from inference.decoders.ar import ARDecoder, ARDecoderConfig
 from inference.decoders.cover import (
     KEEP,
@@ -501,17 +501,6 @@ def test_attention_is_restored_after_a_decode_and_after_an_error():
     # decode() outside prepare installs and removes the attention itself
     outside = decoder.decode(model, [PROMPTS[0]], {EOS}, [0])[0]
     assert MASK not in outside.tokens and model.config._attn_implementation == "sdpa"
-
-
-def test_non_mdm_checkpoint_is_a_named_error():
-    model = tiny_model(VOCAB, "qwen3")
-    model.config.pardec = {"recipe": "idlm", "mask_token_id": MASK, "isd_stride": 3}
-    decoder = build_decoder({"name": "cover", "max_new_tokens": L, "block_size": B}, mdm_tokenizer())
-    with pytest.raises(CheckpointError, match="not an MDM export.*recipe='idlm'"):
-        decoder.decode(model, [PROMPTS[0]], {EOS}, [0])
-    with pytest.raises(CheckpointError, match="not an MDM export"), decoder.prepare(model):
-        pass
-    assert model.config._attn_implementation == "sdpa"
 
 
 @pytest.mark.parametrize("key,value", [("draft_threshold", 1.0), ("draft_budget", 0), ("max_revisions", -1),

@@ -400,15 +400,18 @@ def test_guide_with_another_tokenizer_is_a_named_error(tmp_path):
         pass
 
 
-def test_non_mdm_checkpoint_is_a_named_error():
+@pytest.mark.parametrize("name", ["mdm_lowconf", "mdm_threshold", "wino", "saber", "cover"])
+def test_non_mdm_checkpoint_is_a_named_error(name):
+    """Every decoder of a bidirectional MDM refuses an I-DLM export, in decode and in prepare, and
+    leaves the model's attention as it was (COVER installs its own)."""
     model = tiny_model(VOCAB, "qwen3")
     model.config.pardec = {"recipe": "idlm", "mask_token_id": MASK, "isd_stride": 3}
-    for name in ("mdm_lowconf", "mdm_threshold"):
-        decoder = build_decoder({"name": name, "max_new_tokens": L, "block_size": B}, mdm_tokenizer())
-        with pytest.raises(CheckpointError, match="not an MDM export.*recipe='idlm'"):
-            decoder.decode(model, [PROMPTS[0]], {EOS}, [0])
-        with pytest.raises(CheckpointError, match="not an MDM export"), decoder.prepare(model):
-            pass
+    decoder = build_decoder({"name": name, "max_new_tokens": L, "block_size": B}, mdm_tokenizer())
+    with pytest.raises(CheckpointError, match="not an MDM export.*recipe='idlm'"):
+        decoder.decode(model, [PROMPTS[0]], {EOS}, [0])
+    with pytest.raises(CheckpointError, match="not an MDM export"), decoder.prepare(model):
+        pass
+    assert model.config._attn_implementation == "sdpa"
 
 
 def test_length_not_a_multiple_of_the_block_size_is_a_named_error():

@@ -12,16 +12,14 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from common.errors import CheckpointError, ConfigError
+from common.errors import ConfigError
 from inference.config import validate_validate_config
 from inference.decoders.registry import build_decoder
 from inference.decoders.saber import SaberConfig, adaptive_threshold, remask_count, saber_step
-from tests.conftest import tiny_model
 from tests.test_mdm_decoders import (
     EOS,
     MASK,
     PROMPTS,
-    VOCAB,
     committed_answer,
     decoded_up_to_eos,
     full_logits,
@@ -197,13 +195,7 @@ def test_saber_stops_at_eos():
 
 
 def test_saber_named_errors():
-    model = tiny_model(VOCAB, "qwen3")
-    model.config.pardec = {"recipe": "idlm", "mask_token_id": MASK, "isd_stride": 3}
-    decoder = build_decoder({"name": "saber", "max_new_tokens": L, "block_size": B}, mdm_tokenizer())
-    with pytest.raises(CheckpointError, match="not an MDM export.*recipe='idlm'"):
-        decoder.decode(model, [PROMPTS[0]], {EOS}, [0])
-    with pytest.raises(CheckpointError, match="not an MDM export"), decoder.prepare(model):
-        pass
+    # a checkpoint that is not an MDM export: test_mdm_decoders.test_non_mdm_checkpoint_is_a_named_error
     for key, value in (("min_tokens", 0), ("remask_divisor", 0), ("freecache", True), ("block_size", 5)):
         with pytest.raises(ConfigError, match=f"decoder.{key}"):
             build_decoder({"name": "saber", "max_new_tokens": L, key: value}, mdm_tokenizer()).decode(

@@ -8,11 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.errors import CheckpointError, ConfigError
+from common.errors import ConfigError
 from inference.decoders.mdm_common import BlockRun, mdm_info
 from inference.decoders.registry import build_decoder
 from inference.decoders.wino import max_accept, wino_draft, wino_remask
-from tests.conftest import tiny_model
 from tests.test_cover_decoder import one_layer_mdm
 from tests.test_mdm_decoders import (
     EOS,
@@ -190,11 +189,7 @@ def test_wino_outputs_and_stats():
 
 
 def test_wino_named_errors():
-    model = tiny_model(VOCAB, "qwen3")
-    model.config.pardec = {"recipe": "idlm", "mask_token_id": MASK, "isd_stride": 3}
-    decoder = build_decoder({"name": "wino", "max_new_tokens": L, "block_size": B}, mdm_tokenizer())
-    with pytest.raises(CheckpointError, match="not an MDM export"):
-        decoder.decode(model, [PROMPTS[0]], {EOS}, [0])
+    # a checkpoint that is not an MDM export: test_mdm_decoders.test_non_mdm_checkpoint_is_a_named_error
     for key, value in (("threshold", 1.5), ("threshold_back", -0.1), ("max_block_steps", 0), ("freecache", True)):
         with pytest.raises(ConfigError, match=f"decoder.{key}"):
             build_decoder({"name": "wino", key: value}, mdm_tokenizer())
