@@ -3,8 +3,9 @@
 
 One packed training step (forward + backward, bf16, batch 1 row) of a randomly initialised model of
 Qwen2.5-0.5B shape on an I-DLM ``[x_t | x_0]`` row (stride 4, samples of 2 x 256 tokens) and a Jacobi
-Forcing noise-conditioned row (n = 32), at several total tokens per row. Columns, all on the same
-model and the same tokens:
+Forcing noise-conditioned row (n = 32; ``jacobi``: the SPEC's interleaved layout, ``jacobi_streams``:
+the same attention with each stream contiguous, ``recipe.layout=streams``), at several total tokens
+per row. Columns, all on the same model and the same tokens:
 
 * ``causal``: SDPA with no mask and plain positions (``is_causal``, the flash kernel): the floor a
   structured mask is measured against, no structure at all;
@@ -56,7 +57,7 @@ def idlm_batch(length: int, g: torch.Generator) -> dict:
     return build_idlm_batch(samples, mask_token_id=MASK_ID, block_size=3, pack_length=length, pad_token_id=0)
 
 
-def jacobi_batch(length: int, g: torch.Generator) -> dict:
+def jacobi_batch(length: int, g: torch.Generator, layout: str = "interleaved") -> dict:
     # one sample: prompt of 128 tokens + blocks of n (noisy + clean) filling the row
     n, prompt = JACOBI_N, 128
     blocks = (length - prompt) // (2 * n)
@@ -64,7 +65,11 @@ def jacobi_batch(length: int, g: torch.Generator) -> dict:
     clean = [rand(n) for _ in range(blocks)]
     noisy = [[c[0]] + rand(n - 1) for c in clean]  # a Jacobi state's first token is always exact
     sample = {"prompt_ids": rand(prompt), "noisy_blocks": noisy, "clean_blocks": clean, "valid_lens": [n] * blocks}
-    return build_jacobi_batch([sample], block_size=n, pack_length=length, pad_token_id=0)
+    return build_jacobi_batch([sample], block_size=n, pack_length=length, pad_token_id=0, layout=layout)
+
+
+def jacobi_streams_batch(length: int, g: torch.Generator) -> dict:
+    return jacobi_batch(length, g, layout="streams")
 
 
 def causal_batch(batch: dict) -> dict:
@@ -148,7 +153,8 @@ def ratio(num: dict, den: dict) -> float | None:
     return num["step_ms"] / den["step_ms"]
 
 
-RECIPES = {"idlm": ("I-DLM stride 4", idlm_batch), "jacobi": (f"Jacobi Forcing NC n={JACOBI_N}", jacobi_batch)}
+RECIPES = {"idlm": ("I-DLM stride 4", idlm_batch), "jacobi": (f"Jacobi Forcing NC n={JACOBI_N}", jacobi_batch),
+           "jacobi_streams": (f"Jacobi Forcing NC n={JACOBI_N}, streams layout", jacobi_streams_batch)}
 COLUMNS = {"causal": "causal floor", "sdpa": "dense SDPA", "flex_attention": "flex, transformers",
            "pardec_flex": "flex, pardec"}
 

@@ -5,9 +5,9 @@ FlexAttention skips empty 128 x 128 tiles, runs full tiles without the mask pred
 the predicate on every element of a partial tile. The rows are those of
 ``benchmarks/mask_backends.py`` (same builders, same seed); for each, the share of tiles that are
 partial and full, and the tiles computed (partial + full) against plain causal attention over the
-same row. ``Jacobi NC n=32, streams contiguous`` is the same row with its tokens reordered as
-[prompt | every noisy block | every clean block]: the mask reads only per-token metadata and
-position ids, so this is the same attention, laid out for tiles. Writes
+same row. ``Jacobi NC n=32, streams layout`` is the same sample packed with ``layout="streams"``
+([prompt | every noisy block | every clean block], ``recipe.layout=streams``): the mask reads only
+per-token metadata and position ids, so this is the same attention, laid out for tiles. Writes
 ``benchmarks/results/mask_tiles.{md,json}``.
 """
 
@@ -21,7 +21,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 from benchmarks.mask_backends import idlm_batch, jacobi_batch
-from masks.core import AttentionSpec, causal
+from masks.core import causal
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TILE = 128
@@ -33,13 +33,6 @@ def tile_counts(mask_mod, length: int) -> tuple[int, int]:
     return int(block_mask.kv_num_blocks.sum()), int(full.sum()) if full is not None else 0
 
 
-def streams_contiguous(spec: AttentionSpec) -> AttentionSpec:
-    """The same row with tokens ordered by stream (prompt, noisy, clean), buffer order inside each."""
-    stream = spec.metadata["stream"][0]
-    order = torch.argsort(stream * stream.numel() + torch.arange(stream.numel()))
-    return AttentionSpec(spec.factory, {k: v[:, order] for k, v in spec.metadata.items()})
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     p.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384])
@@ -49,10 +42,12 @@ def main() -> None:
     for length in args.lengths:
         g = torch.Generator().manual_seed(0)
         idlm = idlm_batch(length, g)["attention"]
+        state = g.get_state()
         jacobi = jacobi_batch(length, g)["attention"]
+        g.set_state(state)  # the same sample in both layouts
+        streams = jacobi_batch(length, g, layout="streams")["attention"]
         layouts = {"causal (the floor)": causal, "I-DLM stride 4": idlm.mask_mod(),
-                   "Jacobi NC n=32": jacobi.mask_mod(),
-                   "Jacobi NC n=32, streams contiguous": streams_contiguous(jacobi).mask_mod()}
+                   "Jacobi NC n=32": jacobi.mask_mod(), "Jacobi NC n=32, streams layout": streams.mask_mod()}
         causal_tiles = sum(tile_counts(causal, length))
         tiles = (length // TILE) ** 2
         for name, mask_mod in layouts.items():

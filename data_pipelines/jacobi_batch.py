@@ -8,6 +8,15 @@ samples are packed greedily per row (segment ids) and rows are padded to ``pack_
 
 One forward with the NC (or NC-IC) mask of ``masks.jacobi`` gives every logit both losses need.
 
+**Layout.** ``layout="interleaved"`` (default) is SPEC §2's ``[prompt][k_0][c_0][k_1][c_1]...``.
+``layout="streams"`` lays each stream out contiguously, ``[prompt][k_0 ... k_{N-1}][c_0 ... c_{N-1}]``.
+The masks read only per-token metadata (stream, block, position), so both layouts give the same
+attention, the same logits per (stream, block, offset) and the same losses (tested). They differ
+in FlexAttention's work, which is counted in whole 128 x 128 tiles. Under NC each stream of the
+``streams`` layout is one causal run, so about half of plain causal attention's tiles are computed
+over the row. The interleaved layout computes about as many tiles as causal attention, half of them
+partial (``benchmarks/mask_tiles.py``). The diagrams below are drawn for the default layout.
+
 **AR labels** (logit shift; clean stream plus the prompt's last slot)::
 
     slot            ... p_{P-1} | k_0 ... | c_0[0] ... c_0[n-1] | k_1 ... | c_1[0] ...
@@ -16,8 +25,8 @@ One forward with the NC (or NC-IC) mask of ``masks.jacobi`` gives every logit bo
 * the prompt's last token (it sees the prompt only) predicts c_0[0], the first answer token;
 * clean slot (j, o) predicts c_j[o + 1] for o < n - 1: its query sees the prompt and c_0..c_j up
   to o, exactly the causal context of position P + j*n + o;
-* the last clean slot of block j predicts c_{j+1}[0], taken from the next *clean* block (the next
-  buffer slot is k_{j+1}[0]); its query sees prompt + c_0..c_j, so this is the plain AR target;
+* the last clean slot of block j predicts c_{j+1}[0], taken from the next *clean* block (in the
+  interleaved layout the next buffer slot is k_{j+1}[0]); its query sees prompt + c_0..c_j, so this is the plain AR target;
 * no target after EOS (the EOS slot itself predicts nothing), none for the last slot of a final
   block cut by the length cap, and none on prompt-to-prompt or noisy slots.
 
@@ -47,6 +56,7 @@ from masks.core import AttentionSpec
 from masks.jacobi import CLEAN, NOISY, PROMPT, jacobi_nc_ic_mask, jacobi_nc_mask
 
 MASKS = ("nc", "nc_ic")
+LAYOUTS = ("interleaved", "streams")
 
 
 def sample_length(num_prompt: int, num_blocks: int, block_size: int) -> int:
@@ -62,12 +72,14 @@ def build_jacobi_batch(
     pad_token_id: int,
     mask: str = "nc",
     window: int = 1,
+    layout: str = "interleaved",
 ) -> dict[str, Any]:
     """Pack samples into one batch.
 
     ``samples``: each with ``prompt_ids`` (P >= 1 ids), ``noisy_blocks`` and ``clean_blocks``
     (N lists of ``block_size`` ids) and ``valid_lens`` (N ints in 1..n; only the last may be < n).
-    ``mask``: ``nc`` or ``nc_ic``; ``window``: the noise window w (NC-IC's window of blocks).
+    ``mask``: ``nc`` or ``nc_ic``; ``window``: the noise window w (NC-IC's window of blocks);
+    ``layout``: ``interleaved`` (SPEC) or ``streams`` (module docstring).
 
     Returns, with r rows and s = ``pack_length``:
 
@@ -78,6 +90,8 @@ def build_jacobi_batch(
     """
     if mask not in MASKS:
         raise ValueError(f"unknown Jacobi mask {mask!r}; expected one of {MASKS}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown Jacobi layout {layout!r}; expected one of {LAYOUTS}")
     if block_size < 1 or window < 1:
         raise ValueError(f"block_size and window must be >= 1, got {block_size} and {window}")
     if not samples:
@@ -100,7 +114,7 @@ def build_jacobi_batch(
         offset = r * pack_length
         parts = []
         for segment, i in enumerate(row):
-            part, pairs = _sample_slots(*checked[i], block_size, segment)
+            part, pairs = _sample_slots(*checked[i], block_size, segment, layout)
             students.append(pairs[0] + offset)
             teachers.append(pairs[1] + offset)
             offset += lengths[i]
@@ -149,7 +163,8 @@ def _checked(index: int, sample: Mapping[str, Any], n: int):
 
 
 def _sample_slots(
-    prompt: torch.Tensor, noisy: torch.Tensor, clean: torch.Tensor, valid: list[int], n: int, segment: int
+    prompt: torch.Tensor, noisy: torch.Tensor, clean: torch.Tensor, valid: list[int], n: int, segment: int,
+    layout: str,
 ) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """The P + 2Nn slots of one sample (every field ``[P + 2Nn]``) and its consistency pairs as
     indices relative to the sample's first slot."""
@@ -166,18 +181,20 @@ def _sample_slots(
     prompt_labels[-1] = answer[0]
     ignored = torch.full((num_blocks, n), IGNORE_INDEX, dtype=torch.long)
 
-    def interleave(noisy_part: torch.Tensor, clean_part: torch.Tensor) -> torch.Tensor:
+    def lay_out(noisy_part: torch.Tensor, clean_part: torch.Tensor) -> torch.Tensor:
+        if layout == "streams":
+            return torch.cat([noisy_part.flatten(), clean_part.flatten()])  # [N, n] + [N, n] -> [2Nn]
         return torch.stack([noisy_part, clean_part], dim=1).flatten()  # [N, 2, n] -> [2Nn]
 
     blocks = torch.arange(num_blocks)[:, None].expand(num_blocks, n)
-    streams = interleave(torch.full_like(noisy, NOISY), torch.full_like(clean, CLEAN))
+    streams = lay_out(torch.full_like(noisy, NOISY), torch.full_like(clean, CLEAN))
     part = {
-        "input_ids": torch.cat([prompt, interleave(noisy, clean)]),
-        "position_ids": torch.cat([torch.arange(p), interleave(block_positions, block_positions)]),
-        "labels": torch.cat([prompt_labels, interleave(ignored, clean_labels.view(num_blocks, n))]),
+        "input_ids": torch.cat([prompt, lay_out(noisy, clean)]),
+        "position_ids": torch.cat([torch.arange(p), lay_out(block_positions, block_positions)]),
+        "labels": torch.cat([prompt_labels, lay_out(ignored, clean_labels.view(num_blocks, n))]),
         "segment_ids": torch.full((p + 2 * num_blocks * n,), segment, dtype=torch.long),
         "stream": torch.cat([torch.full((p,), PROMPT), streams]),
-        "block_ids": torch.cat([torch.full((p,), -1), interleave(blocks, blocks)]),
+        "block_ids": torch.cat([torch.full((p,), -1), lay_out(blocks, blocks)]),
     }
 
     # Consistency pairs: offsets from the first mismatch m to the last offset with a prediction.
@@ -188,9 +205,12 @@ def _sample_slots(
             continue
         last = n - 1 if v == n else v - 2
         kept = torch.arange(int(differs[0]), last + 1)  # [k]
-        noisy_start = p + 2 * j * n
+        if layout == "streams":
+            noisy_start, clean_start = p + j * n, p + (num_blocks + j) * n
+        else:
+            noisy_start, clean_start = p + 2 * j * n, p + (2 * j + 1) * n
         students.append(noisy_start + kept)
-        teachers.append(noisy_start + n + kept)
+        teachers.append(clean_start + kept)
     empty = torch.zeros(0, dtype=torch.long)
     pairs = (torch.cat(students) if students else empty, torch.cat(teachers) if teachers else empty)
     return part, pairs

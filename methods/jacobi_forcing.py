@@ -8,8 +8,9 @@ Per stage (SPEC §2):
    ``scripts/collect_trajectories.py`` (``recipe.trajectories_dir``; the dataset's own responses
    are then not used at all). Each sample's noisy blocks are then chosen by the noise schedule
    (``data_pipelines.jacobi_noise``);
-2. ``collate`` packs ``[prompt][k_0][c_0][k_1][c_1]...`` rows with the NC (or NC-IC) mask
-   (``data_pipelines.jacobi_batch``, ``masks.jacobi``);
+2. ``collate`` packs ``[prompt][k_0][c_0][k_1][c_1]...`` rows (or, with ``recipe.layout=streams``,
+   the same attention laid out ``[prompt][k_0 ... k_{N-1}][c_0 ... c_{N-1}]`` for FlexAttention's
+   tiles) with the NC (or NC-IC) mask (``data_pipelines.jacobi_batch``, ``masks.jacobi``);
 3. ``loss``: one forward, L = L_pc + w * L_AR (``losses.jacobi``).
 
 Progressive distillation is the stage list of ``recipes/recipe/jacobi_forcing.yaml``: round 1
@@ -42,7 +43,7 @@ import torch.distributed as dist
 
 from common.distributed import barrier
 from common.errors import ConfigError, DataError
-from data_pipelines.jacobi_batch import MASKS, build_jacobi_batch, sample_length
+from data_pipelines.jacobi_batch import LAYOUTS, MASKS, build_jacobi_batch, sample_length
 from data_pipelines.jacobi_noise import SCHEDULES, WINDOW_PHASES, select_noisy_blocks
 from data_pipelines.jacobi_trajectories import CollectSettings, collect_trajectories, load_trajectories, read_meta
 from losses.jacobi import jacobi_forcing_loss
@@ -63,6 +64,9 @@ class JacobiForcingConfig(RecipeConfig):
     window_phase: str = "zero"
     # nc (noise-conditioned, the paper's choice) | nc_ic (intra-window clean context, ablation)
     mask: str = "nc"
+    # interleaved ([prompt][k_0][c_0][k_1][c_1]..., SPEC) | streams (every noisy block, then every clean
+    # block: the same attention, about half the FlexAttention tiles; data_pipelines.jacobi_batch)
+    layout: str = "interleaved"
     # w in L = L_pc + w * L_AR.
     ar_weight: float = 10.0
     # Trajectory length cap (whole blocks are generated: at most ceil(max_new_tokens / n) blocks).
@@ -115,6 +119,8 @@ class JacobiForcingMethod(Method):
             )
         if cfg.mask not in MASKS:
             raise ConfigError(f"config key 'recipe.mask' = {cfg.mask!r}; expected one of {MASKS}")
+        if cfg.layout not in LAYOUTS:
+            raise ConfigError(f"config key 'recipe.layout' = {cfg.layout!r}; expected one of {LAYOUTS}")
         if cfg.ar_weight < 0:
             raise ConfigError(f"config key 'recipe.ar_weight' = {cfg.ar_weight}; must be >= 0")
         if cfg.prompt_start < 0 or (cfg.num_prompts is not None and cfg.num_prompts < 1):
@@ -225,6 +231,7 @@ class JacobiForcingMethod(Method):
             pad_token_id=self.tokenizer.pad_token_id,
             mask=self.cfg.mask,
             window=self.cfg.window,
+            layout=self.cfg.layout,
         )
 
     def loss(self, model, batch):

@@ -38,13 +38,13 @@ def idlm_row(length: int) -> dict:
     return build_idlm_batch(samples, mask_token_id=VOCAB - 1, block_size=3, pack_length=length, pad_token_id=0)
 
 
-def jacobi_row(length: int) -> dict:
+def jacobi_row(length: int, **options) -> dict:
     g = torch.Generator().manual_seed(length)
     rand = lambda k: torch.randint(0, VOCAB - 1, (k,), generator=g).tolist()  # noqa: E731
     clean = [rand(8) for _ in range(6)]
     sample = {"prompt_ids": rand(17), "noisy_blocks": [[c[0]] + rand(7) for c in clean], "clean_blocks": clean,
               "valid_lens": [8, 8, 8, 8, 8, 5]}
-    return build_jacobi_batch([sample], block_size=8, pack_length=length, pad_token_id=0)
+    return build_jacobi_batch([sample], block_size=8, pack_length=length, pad_token_id=0, **options)
 
 
 def test_pardec_flex_is_a_registered_backend_and_needs_a_gpu():
@@ -81,16 +81,21 @@ def test_pardec_flex_equals_dense_sdpa_forward_and_backward(build):
             torch.testing.assert_close(flex_grads[name], grad, atol=2e-3, rtol=2e-3, msg=name)
 
 
-def test_mask_tiles_streams_contiguous_row_is_the_same_attention():
-    """benchmarks/mask_tiles.py reorders a Jacobi row by stream: the same (query, key) pairs attend."""
-    from benchmarks.mask_tiles import streams_contiguous
+@pytest.mark.parametrize("mask,window", [("nc", 1), ("nc_ic", 2)])
+def test_jacobi_streams_layout_is_the_same_attention(mask, window):
+    """layout=streams moves the Jacobi slots (benchmarks/mask_tiles.py counts its tiles): every token,
+    named by (stream, block, position), attends to the same tokens as in the interleaved layout."""
     from masks.core import dense_bool_mask
 
-    spec = jacobi_row(256)["attention"]
-    reordered = streams_contiguous(spec)
-    stream = spec.metadata["stream"][0]
-    order = torch.argsort(stream * stream.numel() + torch.arange(stream.numel()))
-    original = dense_bool_mask(spec.mask_mod(), 1, 256, 256)[0]  # [s, s]
-    permuted = dense_bool_mask(reordered.mask_mod(), 1, 256, 256)[0]  # [s, s]
-    assert torch.equal(permuted, original[order][:, order])
-    assert not torch.equal(order, torch.arange(256))  # the reorder moved tokens
+    def attends(layout: str) -> set:
+        batch = jacobi_row(256, mask=mask, window=window, layout=layout)
+        meta = batch["attention"].metadata
+        keep = meta["segment_ids"][0] >= 0
+        name = list(zip(meta["stream"][0][keep].tolist(), meta["block_ids"][0][keep].tolist(),
+                        meta["position_ids"][0][keep].tolist(), batch["input_ids"][0][keep].tolist()))
+        allowed = dense_bool_mask(batch["attention"].mask_mod(), 1, 256, 256)[0][keep][:, keep]  # [t, t]
+        return {(name[q], name[k]) for q, k in allowed.nonzero().tolist()}, name
+
+    (interleaved, names_i), (streams, names_s) = attends("interleaved"), attends("streams")
+    assert names_i != names_s and sorted(names_i) == sorted(names_s)  # the same tokens, moved
+    assert interleaved == streams

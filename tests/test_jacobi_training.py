@@ -73,8 +73,9 @@ def naive_logits(model, sample: dict, mask: str = "nc", window: int = 1) -> dict
     return {k: torch.stack(v) if isinstance(v, list) else v for k, v in out.items()}
 
 
-def slot_map(batch_samples: list[dict], pack_length: int) -> list[dict]:
-    """Where each sample's prompt / noisy / clean slots are in the packed batch (greedy rows)."""
+def slot_map(batch_samples: list[dict], pack_length: int, layout: str = "interleaved") -> list[dict]:
+    """Where each sample's prompt / noisy / clean slots are in the packed batch (greedy rows):
+    ``[prompt][k_0][c_0][k_1][c_1]...`` (interleaved) or ``[prompt][k_0 k_1 ...][c_0 c_1 ...]`` (streams)."""
     places, row, used = [], -1, pack_length
     for s in batch_samples:
         p, nb = len(s["prompt_ids"]), len(s["clean_blocks"])
@@ -82,8 +83,12 @@ def slot_map(batch_samples: list[dict], pack_length: int) -> list[dict]:
         if used + length > pack_length:
             row, used = row + 1, 0
         start = used
-        noisy = [[start + p + 2 * j * N_BLOCK + o for o in range(N_BLOCK)] for j in range(nb)]
-        clean = [[i + N_BLOCK for i in b] for b in noisy]
+        if layout == "streams":
+            noisy = [[start + p + j * N_BLOCK + o for o in range(N_BLOCK)] for j in range(nb)]
+            clean = [[i + nb * N_BLOCK for i in b] for b in noisy]
+        else:
+            noisy = [[start + p + 2 * j * N_BLOCK + o for o in range(N_BLOCK)] for j in range(nb)]
+            clean = [[i + N_BLOCK for i in b] for b in noisy]
         places.append({"row": row, "prompt": list(range(start, start + p)), "noisy": noisy, "clean": clean})
         used += length
     return places
@@ -91,16 +96,17 @@ def slot_map(batch_samples: list[dict], pack_length: int) -> list[dict]:
 
 @pytest.mark.parametrize("arch,attn", [("qwen3", "sdpa"), ("llama", "sdpa"), ("qwen3", "eager")])
 @pytest.mark.parametrize("mask,window", [("nc", 1), ("nc_ic", 2)])
+@pytest.mark.parametrize("layout", ["interleaved", "streams"])
 @torch.no_grad()
-def test_packed_forward_equals_naive_per_block_forwards(arch, attn, mask, window):
+def test_packed_forward_equals_naive_per_block_forwards(arch, attn, mask, window, layout):
     model = tiny_model(VOCAB, arch)
     model.set_attn_implementation(attn)
     batch_samples = samples()
     batch = build_jacobi_batch(batch_samples, block_size=N_BLOCK, pack_length=PACK, pad_token_id=0, mask=mask,
-                               window=window)
+                               window=window, layout=layout)
     assert batch["input_ids"].shape == (2, PACK)
     logits = forward_logits(model, batch)  # [r, s, V]
-    for sample, place in zip(batch_samples, slot_map(batch_samples, PACK)):
+    for sample, place in zip(batch_samples, slot_map(batch_samples, PACK, layout)):
         ref = naive_logits(model, sample, mask, window)
         r = place["row"]
         torch.testing.assert_close(logits[r, place["prompt"]], ref["prompt"], atol=1e-5, rtol=1e-4)
@@ -112,7 +118,8 @@ def test_packed_forward_equals_naive_per_block_forwards(arch, attn, mask, window
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mask,window", [("nc", 1), ("nc_ic", 2)])
-def test_flex_attention_training_path_on_gpu(mask, window):
+@pytest.mark.parametrize("layout", ["interleaved", "streams"])
+def test_flex_attention_training_path_on_gpu(mask, window, layout):
     """The GPU path: FlexAttention with the compiled BlockMask from the same predicate gives the
     naive per-block (SDPA) logits, and the loss backpropagates through it."""
 
@@ -123,10 +130,10 @@ def test_flex_attention_training_path_on_gpu(mask, window):
     model, reference = model_with("flex_attention"), model_with("sdpa").eval()
     batch_samples = samples()
     batch = move_batch(build_jacobi_batch(batch_samples, block_size=N_BLOCK, pack_length=PACK, pad_token_id=0,
-                                          mask=mask, window=window), "cuda")
+                                          mask=mask, window=window, layout=layout), "cuda")
     logits = forward_logits(model, batch)  # [r, s, V]
     with torch.no_grad():
-        for sample, place in zip(batch_samples, slot_map(batch_samples, PACK)):
+        for sample, place in zip(batch_samples, slot_map(batch_samples, PACK, layout)):
             ref = naive_logits(reference, sample, mask, window)
             r = place["row"]
             torch.testing.assert_close(logits[r, place["prompt"]], ref["prompt"], atol=1e-4, rtol=1e-3)
@@ -162,6 +169,24 @@ def test_batch_layout_labels_and_pairs_by_hand():
     assert batch["pc_student_index"].tolist() == [10]  # offset 1 only: the EOS logit predicts nothing
     assert batch["pc_teacher_index"].tolist() == [14]
     assert int(batch["n_blocks"]) == 2
+
+
+def test_streams_layout_by_hand():
+    """layout=streams: [prompt][k_0 k_1][c_0 c_1], the same positions, labels and pairs per slot."""
+    full = {"prompt_ids": [3, 4], "clean_blocks": [[5, 6, 7], [8, 9, 10]], "noisy_blocks": [[5, 11, 7], [8, 9, 12]],
+            "valid_lens": [3, 3]}
+    batch = build_jacobi_batch([full], block_size=3, pack_length=16, pad_token_id=0, layout="streams")
+    #          p0 p1 | k0       | k1        | c0       | c1        | pad
+    assert batch["input_ids"][0].tolist() == [3, 4, 5, 11, 7, 8, 9, 12, 5, 6, 7, 8, 9, 10, 0, 0]
+    assert batch["position_ids"][0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 2, 3, 4, 5, 6, 7, 0, 0]
+    x = IGNORE_INDEX
+    assert batch["labels"][0].tolist() == [x, 5, x, x, x, x, x, x, 6, 7, 8, 9, 10, x, x, x]
+    assert batch["pc_student_index"].tolist() == [3, 4, 7]
+    assert batch["pc_teacher_index"].tolist() == [9, 10, 13]
+    meta = batch["attention"].metadata
+    assert meta["block_ids"][0, :14].tolist() == [-1, -1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1]
+    with pytest.raises(ValueError, match="unknown Jacobi layout 'blocks'"):
+        build_jacobi_batch([full], block_size=3, pack_length=16, pad_token_id=0, layout="blocks")
 
 
 def test_two_samples_per_row_use_segments_and_global_indices():
@@ -219,11 +244,11 @@ def naive_loss(model, batch_samples: list[dict]) -> tuple[torch.Tensor, torch.Te
     return kl_sum / blocks, ce_sum / ce_count
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_loss_equals_naive_per_block_computation(arch):
+@pytest.mark.parametrize("arch,layout", [("qwen3", "interleaved"), ("llama", "interleaved"), ("qwen3", "streams")])
+def test_loss_equals_naive_per_block_computation(arch, layout):
     model = tiny_model(VOCAB, arch)
     batch_samples = samples(seed=1)
-    batch = build_jacobi_batch(batch_samples, block_size=N_BLOCK, pack_length=PACK, pad_token_id=0)
+    batch = build_jacobi_batch(batch_samples, block_size=N_BLOCK, pack_length=PACK, pad_token_id=0, layout=layout)
     with torch.no_grad():
         logits = forward_logits(model, batch)
         l_pc_ref, l_ar_ref = naive_loss(model, batch_samples)
@@ -326,6 +351,34 @@ def test_window_phase_reaches_the_training_examples(tmp_path):
     assert noisy_block0["zero"] == 0 and noisy_block0["random"] > 0
     with pytest.raises(ConfigError, match="recipe.window_phase"):
         run_in_process([*SMALL, f"output_dir={tmp_path}", "recipe.window_phase=sometimes"])
+
+
+def test_streams_layout_trains_the_same_losses(tmp_path, monkeypatch):
+    """recipe.layout=streams reaches the batches: the first step's losses equal the interleaved
+    layout's (same attention, slots moved); an unknown layout fails at start with the key's name."""
+    import methods.jacobi_forcing as recipe
+
+    built_layouts = []
+
+    def recording(*args, **kwargs):
+        batch = build_jacobi_batch(*args, **kwargs)
+        built_layouts.append((kwargs["layout"], batch["attention"].metadata["stream"][0].tolist()))
+        return batch
+
+    monkeypatch.setattr(recipe, "build_jacobi_batch", recording)
+    first_step = {}
+    for layout in ("interleaved", "streams"):
+        out = tmp_path / layout
+        result = run_in_process([*SMALL, f"output_dir={out}", "trainer.max_steps=1", f"recipe.layout={layout}"])
+        assert result.status == "finished"
+        first_step[layout] = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    streams_rows = [stream for layout, stream in built_layouts if layout == "streams"]
+    assert streams_rows and [stream for layout, stream in built_layouts if layout == "interleaved"] != streams_rows
+    for key in ("l_pc", "l_ar", "n_pc_pairs", "n_ar_tokens"):
+        assert first_step["streams"][key] == pytest.approx(first_step["interleaved"][key], rel=1e-4), key
+    assert first_step["streams"]["n_pc_pairs"] > 0
+    with pytest.raises(ConfigError, match="recipe.layout"):
+        run_in_process([*SMALL, f"output_dir={tmp_path / 'bad'}", "recipe.layout=blocks"])
 
 
 def test_each_round_collects_from_its_own_prompt_range(tmp_path):
