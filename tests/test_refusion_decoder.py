@@ -255,6 +255,18 @@ def test_outputs_are_valid(tokenizer, mode, kv_reuse, plan_scope):
         assert_valid(result, tokenizer, length)
 
 
+@pytest.mark.parametrize("kv_reuse", [True, False])
+def test_block_plan_scope_decodes_the_same_tokens(tokenizer, kv_reuse):
+    """Attention is causal over [context | masks in position order] and the current block's slots are
+    the first remaining ones, so masks of later blocks cannot change their plan: ``plan_scope=block``
+    (shorter plan forwards) must decode exactly what ``plan_scope=all`` does."""
+    model = converted_model(tokenizer, seed=3)
+    for prompt, (threshold, block) in itertools.product(PROMPTS, [(0.05, 4), (0.3, 8), (1.0, 8), (0.2, 12)]):
+        full, scoped = (decode(model, tokenizer, prompt, threshold=threshold, block_size=block, kv_reuse=kv_reuse,
+                               plan_scope=scope) for scope in ("all", "block"))
+        assert scoped.tokens == full.tokens and scoped.stats == full.stats
+
+
 def test_sampling_is_seeded(tokenizer):
     model = converted_model(tokenizer, seed=6)
     a = decode(model, tokenizer, PROMPTS[1], mode="sample", threshold=0.05, seed=11)

@@ -7,8 +7,11 @@ last one possibly short) and semi-AR blocks of b tokens (b a multiple of k). Eac
 
 1. **Plan** (one forward): after the KV cache of the committed context, feed any *pending*
    tokens (the last token of each slot completed in the previous step, whose K/V are not cached
-   yet) and then the remaining masked slots in position order (``plan_scope=all``, SPEC: every
-   remaining slot of the target; ``block``, the official code: only the current block's). Each mask
+   yet) and then the remaining masked slots in position order (``plan_scope=block``, the default and
+   the official code: only the current block's; ``all``, the SPEC's wording: every remaining slot of
+   the target). Attention is causal and the current block's slots are the first remaining ones, so
+   the masks of later blocks cannot change their predictions: both scopes decode the same tokens
+   (tested), ``block`` with shorter plan forwards. Each mask
    predicts its own token: the draft is its argmax (``mode=greedy``) or a sample (``mode=sample``,
    temperature / top-k / top-p). A slot's score is the probability of its draft's first token
    (Eq. 5). Among the current block's masked slots, those with score > ``plan_threshold`` are
@@ -88,8 +91,9 @@ class ReFusionDecoderConfig(DecoderConfig):
     top_p: float = 1.0
     # true: reuse the KV cache across steps; false: recompute the whole context every forward.
     kv_reuse: bool = True
-    # all (SPEC: plan over every remaining masked slot) | block (official: the current block's only).
-    plan_scope: str = "all"
+    # block (official: the current block's masked slots) | all (SPEC: every remaining masked slot).
+    # Same tokens either way (causal attention); block's plan forwards are shorter.
+    plan_scope: str = "block"
 
 
 def resolve_slot_size(model, slot_size: int | None) -> int:
