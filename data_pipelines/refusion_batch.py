@@ -8,9 +8,10 @@ Per sample (``input_ids`` = prompt + response + EOS, ``prompt_len`` = P; the *an
 2. t ~ U(0, 1); ``masking="count"`` (paper / SPEC, default) masks exactly max(1, floor(t K))
    slots chosen uniformly; ``masking="bernoulli"`` (the official code) masks each slot
    independently with p = (1 - 1e-3) t + 1e-3, so it may mask none or all of them;
-3. the clean slots are randomly permuted; the buffer is ``[prompt | clean slots in that order |
-   masked slots in position order]``, each masked token replaced by ``<|mask|>``; every token
-   keeps its original position id (prompt 0..P-1, answer token a at P + a).
+3. the clean slots are randomly permuted (with probability ``in_order_prob`` a sample keeps them in
+   position order instead: an option beyond the paper, 0 by default); the buffer is ``[prompt |
+   clean slots in that order | masked slots in position order]``, each masked token replaced by
+   ``<|mask|>``; every token keeps its original position id (prompt 0..P-1, answer token a at P + a).
 
 Labels (``-100`` = ignored; nothing crosses a slot, let alone a sample)::
 
@@ -68,10 +69,14 @@ def layout_seed(seed: int, step: int, micro: int, index: int) -> int:
     return int(state[0] >> np.uint64(1))
 
 
-def draw_layout(answer_len: int, rng: random.Random, slot_sizes: Sequence[int], masking: str) -> SlotLayout:
-    """Slot size, masked slots and the clean-slot permutation of one sample (steps 1-3 above)."""
+def draw_layout(answer_len: int, rng: random.Random, slot_sizes: Sequence[int], masking: str,
+                in_order_prob: float = 0.0) -> SlotLayout:
+    """Slot size, masked slots and the clean-slot permutation of one sample (steps 1-3 above).
+    With ``in_order_prob`` = 0 no extra number is drawn (the layouts are those of the paper's rule)."""
     if masking not in MASKINGS:
         raise ValueError(f"masking must be one of {MASKINGS}, got {masking!r}")
+    if not 0 <= in_order_prob <= 1:
+        raise ValueError(f"in_order_prob must be in [0, 1], got {in_order_prob}")
     k = rng.choice(list(slot_sizes))
     n_slots = math.ceil(answer_len / k)
     t = rng.random()
@@ -85,7 +90,8 @@ def draw_layout(answer_len: int, rng: random.Random, slot_sizes: Sequence[int], 
         p_mask = (1 - BERNOULLI_EPS) * t + BERNOULLI_EPS
         masked = tuple(i for i in range(n_slots) if rng.random() < p_mask)
     clean = [i for i in range(n_slots) if i not in set(masked)]
-    rng.shuffle(clean)
+    if not (in_order_prob > 0 and rng.random() < in_order_prob):
+        rng.shuffle(clean)
     return SlotLayout(k, n_slots, masked, tuple(clean), p_mask)
 
 
@@ -97,6 +103,7 @@ def build_refusion_batch(
     seeds: Sequence[int],
     slot_sizes: Sequence[int] = (4, 8, 16, 32),
     masking: str = "count",
+    in_order_prob: float = 0.0,
     pad_token_id: int = 0,
 ) -> dict[str, Any]:
     """Pack tokenised samples into one ReFusion batch.
@@ -125,7 +132,7 @@ def build_refusion_batch(
     layouts, weights = [], []
     for ids, sample, seed in zip(token_lists, samples, seeds, strict=True):
         answer_len = ids.numel() - int(sample["prompt_len"])
-        layout = draw_layout(answer_len, random.Random(seed), slot_sizes, masking)
+        layout = draw_layout(answer_len, random.Random(seed), slot_sizes, masking, in_order_prob)
         layouts.append(layout)
         weights.append(1.0 / (layout.p_mask * answer_len) if layout.masked else 0.0)
 

@@ -3,10 +3,10 @@
 Per micro-batch (``data_pipelines.refusion_batch``): each sample's answer (response + EOS) is cut
 into slots of a size k drawn from ``recipe.slot_sizes``; some slots are masked (``masking``:
 ``count`` = exactly max(1, floor(tK)), the paper; ``bernoulli`` = per slot, the official code); the
-clean slots are permuted and placed before the masked ones, every token at its original position
-id; one forward with the causal-over-buffer mask (``masks.refusion``, always explicit; FlexAttention
-on GPU, never flash-attn's position-id packing); L = L_ARM + lambda * L_MDM (``losses.refusion``,
-``mdm_norm`` = mean | llada).
+clean slots are permuted (or, with probability ``in_order_prob``, kept in order) and placed before
+the masked ones, every token at its original position id; one forward with the causal-over-buffer
+mask (``masks.refusion``, always explicit; FlexAttention on GPU, never flash-attn's position-id
+packing); L = L_ARM + lambda * L_MDM (``losses.refusion``, ``mdm_norm`` = mean | llada).
 
 Randomness: the trainer calls :meth:`begin_step` before each optimiser step; sample i of
 micro-batch m of step t uses the layout seed (``recipe.seed``, t, m, dataset index), so resuming at
@@ -41,6 +41,10 @@ class ReFusionConfig(RecipeConfig):
     masking: str = "count"
     # mean (SPEC: token mean over masked tokens) | llada (official: sum CE / p_mask / answer_len / B)
     mdm_norm: str = "mean"
+    # Probability that a sample keeps its clean slots in position order instead of permuting them
+    # (beyond the paper, which always permutes: 0). Ordered clean slots are the state the decoder
+    # sees when each step completes one slot (block_size = slot size).
+    in_order_prob: float = 0.0
     # lambda in L = L_ARM + lambda * L_MDM.
     mdm_lambda: float = 1.0
     # The slot size recorded in the export (decoder=refusion's default k).
@@ -62,6 +66,8 @@ class ReFusionMethod(Method):
             raise ConfigError(f"config key 'recipe.masking' = {cfg.masking!r}; expected one of {MASKINGS}")
         if cfg.mdm_norm not in MDM_NORMS:
             raise ConfigError(f"config key 'recipe.mdm_norm' = {cfg.mdm_norm!r}; expected one of {MDM_NORMS}")
+        if not 0 <= cfg.in_order_prob <= 1:
+            raise ConfigError(f"config key 'recipe.in_order_prob' = {cfg.in_order_prob}; must be in [0, 1]")
         if not cfg.mdm_lambda >= 0:
             raise ConfigError(f"config key 'recipe.mdm_lambda' = {cfg.mdm_lambda}; must be >= 0")
         if cfg.export_slot_size < 1:
@@ -102,6 +108,7 @@ class ReFusionMethod(Method):
             seeds=seeds,
             slot_sizes=[int(k) for k in self.cfg.slot_sizes],
             masking=self.cfg.masking,
+            in_order_prob=self.cfg.in_order_prob,
             pad_token_id=self.tokenizer.pad_token_id,
         )
 

@@ -140,6 +140,22 @@ def test_clean_slots_are_permuted():
     assert any(list(o) != sorted(o) for o in orders)
 
 
+def test_in_order_prob_keeps_the_clean_slots_in_position_order():
+    """Same slot size and masked slots as the paper's rule (drawn first); with probability 1 the clean
+    slots stay sorted, with 0 the layouts are exactly the default ones, in between a mix."""
+    for seed in range(100):
+        plain = draw_layout(64, random.Random(seed), (4, 8), "count")
+        ordered = draw_layout(64, random.Random(seed), (4, 8), "count", in_order_prob=1.0)
+        assert (ordered.slot_size, ordered.masked) == (plain.slot_size, plain.masked)
+        assert list(ordered.clean_order) == sorted(plain.clean_order)
+        assert draw_layout(64, random.Random(seed), (4, 8), "count", in_order_prob=0.0) == plain
+    mixed = [draw_layout(64, random.Random(s), (4,), "count", in_order_prob=0.5).clean_order for s in range(200)]
+    share_sorted = sum(list(o) == sorted(o) for o in mixed if len(o) > 3) / sum(len(o) > 3 for o in mixed)
+    assert 0.35 < share_sorted < 0.65
+    with pytest.raises(ValueError, match="in_order_prob"):
+        draw_layout(64, random.Random(0), (4,), "count", in_order_prob=1.5)
+
+
 def test_deterministic_from_seed_and_step():
     samples = random_samples([(20, 4), (15, 3), (9, 2)], seed=1)
 
