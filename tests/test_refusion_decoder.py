@@ -74,6 +74,11 @@ class RecordingContext(refusion_module._Context):
         super().regroup(start)
         self.step += 1
 
+    def relabel(self, start, group):
+        for i in self.where[start:]:
+            self.log[i][3] = group
+        super().relabel(start, group)
+
     def absorb(self, entries):
         if not self.kv_reuse:  # taken into the context without a forward
             self.where = self.where + list(range(len(self.log), len(self.log) + len(entries)))
@@ -156,6 +161,35 @@ def test_one_slot_per_step_kv_reuse_equals_recompute(tokenizer, recording, promp
     gen = [p - len(prompt) for p in ctx.pos if p >= len(prompt)]
     slots = [g // 4 for g in gen]
     assert slots == [s for s, _ in itertools.groupby(slots) for _ in range(slots.count(s))]
+
+
+@pytest.mark.parametrize("kv_reuse", [True, False])
+def test_completion_from_the_verify_forward_saves_one_forward_with_the_same_tokens(tokenizer, kv_reuse):
+    """reuse_verify keeps the verify forward's prefix K/V and next-token distribution for a single
+    partially verified slot: the tokens must be those of completion from scratch (reuse_verify=false),
+    with exactly one completion forward fewer per such step."""
+    model = converted_model(tokenizer, seed=7)
+    used = 0
+    for prompt, (threshold, block) in itertools.product(PROMPTS, [(1.0, 4), (0.3, 4), (0.1, 8), (0.5, None)]):
+        cfg = {"threshold": threshold, "block_size": block, "kv_reuse": kv_reuse}
+        fast = decode(model, tokenizer, prompt, reuse_verify=True, **cfg)
+        slow = decode(model, tokenizer, prompt, reuse_verify=False, **cfg)
+        assert fast.tokens == slow.tokens
+        assert slow.stats["verify_reused"] == 0
+        assert slow.forwards - fast.forwards == fast.stats["verify_reused"]
+        used += fast.stats["verify_reused"]
+    assert used > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_completion_from_the_verify_forward_cache_equals_reference(tokenizer, recording, seed):
+    """One slot per step (b = k) with partial verification: the kept verify K/V of the prefix and the
+    completion's K/V must equal a forward over the same tokens with the same visibility."""
+    model = converted_model(tokenizer, seed=seed)
+    result = decode(model, tokenizer, PROMPTS[seed], threshold=0.3, block_size=4)
+    assert_valid(result, tokenizer)
+    assert result.stats["verify_reused"] > 0
+    assert_cache_matches_reference(model, recording[0])
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

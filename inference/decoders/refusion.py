@@ -27,7 +27,10 @@ last one possibly short) and semi-AR blocks of b tokens (b a multiple of k). Eac
    every slot's l' tokens, later rounds each unfinished slot's newest token, all in one row whose
    mask (``masks.refusion.refusion_decode_mask``) lets a slot see only the committed context and
    itself; its last token becomes pending. This single row is equivalent to the SPEC's "batched
-   rows sharing the KV cache" without copying the cache per slot.
+   rows sharing the KV cache" without copying the cache per slot. With a single selected slot
+   (``reuse_verify``, default) the verify forward already computed round 0: its K/V of the l'
+   tokens (the context and the prefix, in order) are kept and the slot's next token is taken from
+   its distribution after the prefix, so completion starts at round 1 with the same tokens.
 
 KV reuse: committed K/V are never recomputed. After the plan forward that consumed the pending
 tokens, the entries of the previous step are regrouped so that each completed slot's K/V are
@@ -44,7 +47,8 @@ Counting (SPEC §0): ``forwards`` = plan + verify + completion forwards (the pre
 ``prompt[:-1]`` excluded: the last prompt token is the first plan forward's pending token);
 ``committed`` = output tokens up to and including EOS. ``stats``: ``steps`` (plan-and-infill
 iterations), ``slots_accepted`` (slots completed, over all steps), ``wholesale_steps`` (steps ended
-by verification), ``plan_forwards``, ``verify_forwards``, ``complete_forwards``.
+by verification), ``plan_forwards``, ``verify_forwards``, ``complete_forwards``, ``verify_reused``
+(completions that started from the verify forward).
 
 Decisions where the paper and SPEC are silent: the ``<|mask|>`` logit is excluded from every
 distribution (a draft or completion never emits it); in sample mode the score and verification
@@ -94,6 +98,10 @@ class ReFusionDecoderConfig(DecoderConfig):
     # block (official: the current block's masked slots) | all (SPEC: every remaining masked slot).
     # Same tokens either way (causal attention); block's plan forwards are shorter.
     plan_scope: str = "block"
+    # true: a single selected slot that verification left partial keeps the verify forward's K/V of
+    # its verified prefix and takes its next token from that forward (one completion forward fewer,
+    # the same tokens); false: completion re-feeds the prefix, as the SPEC words it.
+    reuse_verify: bool = True
 
 
 def resolve_slot_size(model, slot_size: int | None) -> int:
@@ -165,6 +173,10 @@ class _Context:
         self.ids = [self.ids[i] for i in keep]
         self.pos = [self.pos[i] for i in keep]
         self.groups = [self.groups[i] for i in keep]
+
+    def relabel(self, start: int, group: int) -> None:
+        """Entries from ``start`` on join ``group`` (their K/V already saw exactly what it may see)."""
+        self.groups[start:] = [group] * (len(self.groups) - start)
 
     def drop_beyond(self, end_position: int) -> None:
         """Drop the entries at positions >= ``end_position`` (tokens after an EOS)."""
@@ -271,7 +283,7 @@ class ReFusionDecoder(PerSampleDecoder):
         slots = [_Slot(i, s, min(s + k, length)) for i, s in enumerate(range(0, length, k))]
         end = length  # target length; shrinks to EOS + 1
         stats = {"slot_size": k, "steps": 0, "slots_accepted": 0, "wholesale_steps": 0, "plan_forwards": 0,
-                 "verify_forwards": 0, "complete_forwards": 0}
+                 "verify_forwards": 0, "complete_forwards": 0, "verify_reused": 0}
 
         # 1. Prefill prompt[:-1]; the last prompt token is the first pending token.
         ctx = _Context(model, prompt[:-1], self.cfg.kv_reuse)
@@ -342,9 +354,22 @@ class ReFusionDecoder(PerSampleDecoder):
                     stats["wholesale_steps"] += 1
                 else:
                     # 3b. Truncate to the common verified prefix and complete in parallel.
-                    ctx.crop(base_len)
                     common = max(1, min(per_slot))
-                    done, pending = self._complete(ctx, selected, drafts, common, n_prompt, end, mask_id,
+                    seqs = {s.index: list(drafts[s.index][:common]) for s in selected}
+                    fed = 0
+                    if self.cfg.reuse_verify and len(selected) == 1:
+                        # One slot: the verify forward computed its prefix's K/V over the context and
+                        # the prefix, as completion round 0 would, and the distribution of its next
+                        # token. Keep both instead of re-feeding the prefix.
+                        ctx.crop(base_len + common)
+                        ctx.relabel(base_len, selected[0].index)
+                        fed = common
+                        if not any(t in eos_token_ids for t in seqs[selected[0].index]):
+                            seqs[selected[0].index] += self._pick(probs[common - 1: common], generator)
+                            stats["verify_reused"] += 1
+                    else:
+                        ctx.crop(base_len)
+                    done, pending = self._complete(ctx, base_len, selected, seqs, fed, n_prompt, end, mask_id,
                                                    eos_token_ids, generator, stats)
 
                 # 4. Commit; EOS truncates the target length (undecoded slots before it stay).
@@ -371,20 +396,19 @@ class ReFusionDecoder(PerSampleDecoder):
         return DecodeResult(tokens=out, forwards=sum(stats[f"{p}_forwards"] for p in ("plan", "verify", "complete")),
                             committed=len(out), wall_time_s=timer.elapsed, hit_eos=hit_eos, stats=stats)
 
-    def _complete(self, ctx: _Context, selected: list[_Slot], drafts: dict[int, list[int]], common: int,
+    def _complete(self, ctx: _Context, base: int, selected: list[_Slot], seqs: dict[int, list[int]], fed: int,
                   n_prompt: int, end: int, mask_id: int, eos_token_ids: Collection[int],
                   generator: torch.Generator, stats: dict[str, Any]):
-        """Complete the selected slots from their first ``common`` draft tokens, one forward per round,
-        each slot seeing the context and itself. Returns ``({slot: tokens}, pending tokens)``."""
-        base = len(ctx)
-        seqs = {s.index: list(drafts[s.index][:common]) for s in selected}
+        """Complete the selected slots from ``seqs`` (their tokens so far, of which the first ``fed``
+        are already in the context after ``base``, in the slot's group), one forward per round, each
+        slot seeing the context and itself. Returns ``({slot: tokens}, pending tokens)``."""
         target = {s.index: min(s.stop, end) - s.start for s in selected}
 
         def unfinished(s: _Slot) -> bool:
             toks = seqs[s.index]
             return len(toks) < target[s.index] and not any(t in eos_token_ids for t in toks)
 
-        feed = [(s, j) for s in selected for j in range(len(seqs[s.index]))]  # round 0: every prefix
+        feed = [(s, j) for s in selected for j in range(fed, len(seqs[s.index]))]  # round 0: what is not fed
         while any(unfinished(s) for s in selected):
             logits = ctx.forward([seqs[s.index][j] for s, j in feed], [n_prompt + s.start + j for s, j in feed],
                                  [s.index for s, _ in feed])
