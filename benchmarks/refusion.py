@@ -1,23 +1,25 @@
 # python -m benchmarks.refusion --base runs/default_base/hf --refusion runs/refusion_default/hf
-"""ReFusion on the embedded default: AR greedy of the base vs plan-and-infill at a sweep of thresholds.
+"""ReFusion on the embedded default: AR greedy of the base vs plan-and-infill over a sweep of (b, tau).
 
 One run, two phases, every row at batch 1 in this process after an untimed warm-up on two problems
 (so TPS are comparable; TPS ratios are to the base's AR greedy of the same phase):
 
 1. **Tuning on the validation split** (``--num-val`` problems of the generator's ``val`` split,
-   disjoint from train and test): AR greedy of the base, then ReFusion (KV reuse) at every threshold
-   tau of ``--thresholds`` (tau sets both the plan and the verify threshold). The chosen tau is the
-   one with the highest TPF whose validation accuracy is within ``--max-drop`` points of the base's
-   (the most accurate one when none is).
-2. **Test** (the first ``--num-samples`` held-out test problems): AR greedy of the base, ReFusion at
-   every tau of the sweep with KV reuse, and the chosen tau again with ``kv_reuse=false`` (the whole
-   context recomputed every forward, the paper's ablation).
+   disjoint from train and test): AR greedy of the base and of the ReFusion checkpoint itself, then
+   ReFusion (KV reuse) at every semi-AR block size b of ``--block-sizes`` and every threshold tau of
+   ``--thresholds`` (tau sets both the plan and the verify threshold). The chosen (b, tau) is the one
+   with the highest TPF whose validation accuracy is within ``--max-drop`` points of the base's (the
+   most accurate one when none is).
+2. **Test** (the first ``--num-samples`` held-out test problems): the two AR greedy rows, ReFusion at
+   the chosen b and every tau of the sweep with KV reuse, and the chosen (b, tau) again with
+   ``kv_reuse=false`` (the whole context recomputed every forward, the paper's ablation).
 
 Columns: accuracy (exact ``#### n``); = base AR greedy (share of samples whose output tokens equal the
 base's AR greedy output exactly); TPF = committed tokens / decoding forwards and NFE per sample
 (SPEC §0: prefill excluded, nothing after EOS); TPS and TPS / base AR; slots / step = slots
 accepted per plan-and-infill iteration. Slot size k: the checkpoint's ``pardec.slot_size`` unless
-``--slot-size``; semi-AR block ``--block-size``.
+``--slot-size``. With b = k every step completes one slot, whose first token still comes from the
+plan (the mask head), so b = k is not lossless with respect to the checkpoint's own AR greedy.
 
 Writes ``benchmarks/results/refusion.{md,json}``.
 """
@@ -37,6 +39,7 @@ from inference.checkpoint import load_checkpoint
 from inference.evaluate import evaluate
 
 RESULTS = Path(__file__).resolve().parent / "results"
+OWN_AR = "AR greedy (ReFusion checkpoint)"
 
 
 def parse_args() -> argparse.Namespace:
@@ -46,9 +49,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-samples", type=int, default=200, help="test problems")
     p.add_argument("--num-val", type=int, default=200, help="validation problems (tuning)")
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
-    p.add_argument("--max-drop", type=float, default=0.02, help="accuracy drop tolerated when choosing tau")
+    p.add_argument("--max-drop", type=float, default=0.02, help="accuracy drop tolerated when choosing (b, tau)")
     p.add_argument("--slot-size", type=int, default=None, help="default: the checkpoint's pardec.slot_size")
-    p.add_argument("--block-size", type=int, default=None, help="semi-AR block b (default: one block)")
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[16],
+                   help="semi-AR block sizes b swept on validation (multiples of the slot size)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(RESULTS / "refusion"))
@@ -66,40 +70,54 @@ def run_row(label: str, model, tok, rows, decoder: dict) -> dict:
     return row, sorted(result.records, key=lambda r: r["index"])
 
 
-def phase(args, models, rows, thresholds, recompute_tau=None) -> list[dict]:
+def label(block_size: int, tau: float, kv_reuse: bool = True) -> str:
+    return f"ReFusion b={block_size} tau={tau:g}" + ("" if kv_reuse else ", kv_reuse=false")
+
+
+def phase(args, models, rows, settings: list[tuple[int, float]],
+          recompute: tuple[int, float] | None = None) -> list[dict]:
+    """AR greedy of the base and of the ReFusion checkpoint, then ReFusion at every (b, tau) of
+    ``settings`` (and ``recompute`` with ``kv_reuse=false``)."""
     common = {"max_new_tokens": args.max_new_tokens, "batch_size": 1}
-    refusion = {"name": "refusion", **common, "slot_size": args.slot_size, "block_size": args.block_size}
-    runs = [run_row("AR greedy (base)", *models["base"], rows, {"name": "ar", **common})]
-    for tau in thresholds:
-        runs.append(run_row(f"ReFusion tau={tau:g}", *models["refusion"], rows, {**refusion, "threshold": tau}))
-    if recompute_tau is not None:
-        runs.append(run_row(f"ReFusion tau={recompute_tau:g}, kv_reuse=false", *models["refusion"], rows,
-                            {**refusion, "threshold": recompute_tau, "kv_reuse": False}))
-    (base, base_records), table = runs[0], [row for row, _ in runs]
+    refusion = {"name": "refusion", **common, "slot_size": args.slot_size}
+    runs = [run_row("AR greedy (base)", *models["base"], rows, {"name": "ar", **common}),
+            run_row(OWN_AR, *models["refusion"], rows, {"name": "ar", **common})]
+    for b, tau in settings:
+        runs.append(run_row(label(b, tau), *models["refusion"], rows, {**refusion, "block_size": b, "threshold": tau}))
+    if recompute is not None:
+        b, tau = recompute
+        runs.append(run_row(label(b, tau, kv_reuse=False), *models["refusion"], rows,
+                            {**refusion, "block_size": b, "threshold": tau, "kv_reuse": False}))
+    (base, base_records), (_, own_records), table = runs[0], runs[1], [row for row, _ in runs]
     for row, records in runs:
         row["tps_ratio"] = row["tps"] / base["tps"]
         row["identical_to_base"] = identical(records, base_records)
+        row["identical_to_own_ar"] = identical(records, own_records)
     return table
 
 
-def choose_tau(val_table: list[dict], max_drop: float) -> tuple[float, str]:
-    """(tau, the rule that chose it): the highest TPF within ``max_drop`` of the base's accuracy, or
-    the most accurate tau when none is within it."""
+def choose_setting(val_table: list[dict], max_drop: float) -> tuple[tuple[int, float], str]:
+    """((b, tau), the rule that chose it): the highest TPF within ``max_drop`` of the base's accuracy,
+    or the most accurate setting (then the faster one) when none is within it."""
     base = val_table[0]["accuracy"]
-    sweep = val_table[1:]
+    sweep = [r for r in val_table if r["decoder"].startswith("ReFusion")]
     ok = [r for r in sweep if r["accuracy"] >= base - max_drop - 1e-9]
     if ok:
-        return max(ok, key=lambda r: r["tpf"])["config"]["threshold"], f"the highest TPF within {max_drop:.0%} of the base's accuracy"
-    best = max(sweep, key=lambda r: (r["accuracy"], r["tpf"]))
-    return best["config"]["threshold"], f"no tau is within {max_drop:.0%} of the base's accuracy: the most accurate one"
+        best, rule = max(ok, key=lambda r: r["tpf"]), f"the highest TPF within {max_drop:.0%} of the base's accuracy"
+    else:
+        best = max(sweep, key=lambda r: (r["accuracy"], r["tpf"]))
+        rule = f"no setting is within {max_drop:.0%} of the base's accuracy: the most accurate one"
+    return (best["config"]["block_size"], best["config"]["threshold"]), rule
 
 
 def markdown(table: list[dict]) -> str:
     fmt = lambda v, spec: "—" if v is None else format(v, spec)
-    lines = ["| decoder | accuracy | = base AR greedy | TPF | NFE / sample | TPS | TPS / base AR | slots / step |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| decoder | accuracy | = base AR greedy | = own AR greedy | TPF | NFE / sample | TPS | TPS / base AR "
+             "| slots / step |",
+             "|---|---|---|---|---|---|---|---|---|"]
     lines += [
-        f"| {r['decoder']} | {r['accuracy']:.1%} | {r['identical_to_base']:.1%} | {r['tpf']:.2f} | "
+        f"| {r['decoder']} | {r['accuracy']:.1%} | {r['identical_to_base']:.1%} | {r['identical_to_own_ar']:.1%} | "
+        f"{r['tpf']:.2f} | "
         f"{r['nfe_per_sample']:.1f} | {r['tps']:.1f} | {r['tps_ratio']:.2f}x | {fmt(r['slots_per_step'], '.2f')} |"
         for r in table
     ]
@@ -109,30 +127,33 @@ def markdown(table: list[dict]) -> str:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    models = {"base": load_checkpoint(args.base, device="cpu"), "refusion": load_checkpoint(args.refusion, device="cpu")}
+    models = {"base": load_checkpoint(args.base, device="cpu"),
+              "refusion": load_checkpoint(args.refusion, device="cpu")}
 
-    val = phase(args, models, validation_rows(args.num_val), args.thresholds)
-    tau, rule = choose_tau(val, args.max_drop)
-    test = phase(args, models, held_out_rows(args.num_samples), args.thresholds, recompute_tau=tau)
+    grid = [(b, tau) for b in args.block_sizes for tau in args.thresholds]
+    val = phase(args, models, validation_rows(args.num_val), grid)
+    (block, tau), rule = choose_setting(val, args.max_drop)
+    test = phase(args, models, held_out_rows(args.num_samples), [(block, t) for t in args.thresholds],
+                 recompute=(block, tau))
 
     by_label = {r["decoder"]: r for r in test}
-    reuse, recompute = by_label[f"ReFusion tau={tau:g}"], by_label[f"ReFusion tau={tau:g}, kv_reuse=false"]
+    reuse, recompute = by_label[label(block, tau)], by_label[label(block, tau, kv_reuse=False)]
     base = test[0]
     goals = {
         "tpf_2.5_within_2_points": any(r["tpf"] >= 2.5 and r["accuracy"] >= base["accuracy"] - 0.02 - 1e-9
-                                       for r in test[1:-1]),
+                                       for r in test if r["decoder"].startswith("ReFusion") and r is not recompute),
         "kv_reuse_tps_1.5x_recompute": reuse["tps"] >= 1.5 * recompute["tps"],
         "kv_reuse_accuracy_within_1_point_of_recompute": abs(reuse["accuracy"] - recompute["accuracy"]) <= 0.01 + 1e-9,
     }
     command = "python -m benchmarks.refusion " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     md = (
         f"Command: {command}\n\n"
-        f"Validation split ({args.num_val} problems of the generator's val split; tau chosen here: {tau:g}, "
-        f"{rule}):\n\n{markdown(val)}\n\n"
+        f"Validation split ({args.num_val} problems of the generator's val split; (b, tau) chosen here: "
+        f"b={block} tau={tau:g}, {rule}):\n\n{markdown(val)}\n\n"
         f"Test split ({args.num_samples} held-out problems):\n\n{markdown(test)}\n\n"
         f"Goals on the test split: TPF >= 2.5 within 2 points of the base at some tau: "
         f"{'met' if goals['tpf_2.5_within_2_points'] else 'NOT met'}; KV reuse >= 1.5x the TPS of recomputation "
-        f"at tau={tau:g}: {'met' if goals['kv_reuse_tps_1.5x_recompute'] else 'NOT met'} "
+        f"at b={block} tau={tau:g}: {'met' if goals['kv_reuse_tps_1.5x_recompute'] else 'NOT met'} "
         f"({reuse['tps'] / recompute['tps']:.2f}x), accuracy within 1 point of it: "
         f"{'met' if goals['kv_reuse_accuracy_within_1_point_of_recompute'] else 'NOT met'}.\n"
     )
@@ -140,8 +161,9 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(md)
-    out.with_suffix(".json").write_text(json.dumps({"command": command, "chosen_threshold": tau, "choice_rule": rule, "validation": val,
-                                                    "test": test, "goals": goals}, indent=2))
+    out.with_suffix(".json").write_text(json.dumps({
+        "command": command, "chosen_block_size": block, "chosen_threshold": tau, "chosen_label": label(block, tau),
+        "choice_rule": rule, "validation": val, "test": test, "goals": goals}, indent=2))
 
 
 if __name__ == "__main__":

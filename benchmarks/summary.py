@@ -54,7 +54,7 @@ SOURCES = {
         Source("jacobi_forcing", "python -m benchmarks.jacobi_forcing", lambda d: d["decoding"],
                "identical_to_base", "identical_to_own_ar", "tps_ratio"),
         Source("refusion", "python -m benchmarks.refusion", lambda d: d["test"],
-               "identical_to_base", None, "tps_ratio"),
+               "identical_to_base", "identical_to_own_ar", "tps_ratio"),
         Source("mdm_flashdlm", "python -m benchmarks.mdm_flashdlm", lambda d: d,
                "identical_to_base_ar", None, "tps_vs_base_ar"),
         Source("cover", "python -m benchmarks.cover", lambda d: d["test"], None, None, None),
@@ -78,7 +78,8 @@ class Row:
 
 
 def _refusion_chosen(data) -> str:
-    return f"ReFusion tau={data['chosen_threshold']:g}"
+    """The ReFusion row at the (b, tau) the benchmark chose on validation."""
+    return data["chosen_label"]
 
 
 def _cover_chosen(data) -> str:

@@ -67,7 +67,7 @@ STEPS: tuple[Step, ...] = (
                              "--round2", f"{JACOBI}/hf", "--threads", "1"],
           ("runs/default_base", JACOBI)),
     train("refusion_default"),
-    bench("refusion", ["--base", BASE, "--refusion", "runs/refusion_default/hf", "--block-size", "16",
+    bench("refusion", ["--base", BASE, "--refusion", "runs/refusion_default/hf", "--block-sizes", "8", "16",
                        "--thresholds", "0.9", "0.7", "0.5", "0.3", "--threads", "1"],
           ("runs/default_base", "runs/refusion_default")),
     train("mdm_default"),

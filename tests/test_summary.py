@@ -12,7 +12,7 @@ from benchmarks import summary
 IDENTITY_KEYS = {  # the keys each benchmark writes, spelled out here (not read from summary.SOURCES)
     "idlm_isd": ("identical_to_base", "identical_to_own_ar", "tps_ratio"),
     "jacobi_forcing": ("identical_to_base", "identical_to_own_ar", "tps_ratio"),
-    "refusion": ("identical_to_base", None, "tps_ratio"),
+    "refusion": ("identical_to_base", "identical_to_own_ar", "tps_ratio"),
     "mdm_flashdlm": ("identical_to_base_ar", None, "tps_vs_base_ar"),
     "cover": (None, None, None),
 }
@@ -22,7 +22,8 @@ LABELS = {
     "jacobi_forcing": ["Jacobi n=16 (round 2)", "Multi-block + recycling n=16 K=2 r=0.85 pool=4 verify=4 (round 2)",
                        "Jacobi n=32 (round 2, trained at n=16)",
                        "Multi-block + recycling n=32 K=2 r=0.85 pool=4 verify=4 (round 2)"],
-    "refusion": ["AR greedy (base)", "ReFusion tau=0.9", "ReFusion tau=0.7", "ReFusion tau=0.7, kv_reuse=false"],
+    "refusion": ["AR greedy (base)", "AR greedy (ReFusion checkpoint)", "ReFusion b=8 tau=0.9", "ReFusion b=8 tau=0.7",
+                 "ReFusion b=8 tau=0.7, kv_reuse=false"],
     "mdm_flashdlm": ["MDM low-confidence, 1 token/step (baseline)", "MDM Fast-dLLM threshold tau=0.9 (prefix cache)",
                      "FreeCache (refresh), low-confidence 1/step", "FreeCache + guided (assisted, strict)",
                      "Guided (shifted, strict; = base AR greedy)"],
@@ -50,7 +51,8 @@ def write_results(tmp_path, edit=None):
     files = {
         "idlm_isd": rows["idlm_isd"],
         "jacobi_forcing": {"decoding": rows["jacobi_forcing"], "training_efficiency": {}},
-        "refusion": {"chosen_threshold": 0.7, "validation": [], "test": rows["refusion"]},
+        "refusion": {"chosen_block_size": 8, "chosen_threshold": 0.7, "chosen_label": "ReFusion b=8 tau=0.7",
+                     "validation": [], "test": rows["refusion"]},
         "mdm_flashdlm": rows["mdm_flashdlm"],
         "cover": {"validation": [], "test": rows["cover"]},
     }
@@ -83,7 +85,7 @@ def test_table_values_are_the_benchmarks_own(tmp_path):
 def test_chosen_settings_pick_the_benchmarks_choice(tmp_path):
     results, _ = write_results(tmp_path)
     table = by_decoder(summary.build(summary.load_sources(results), {}))
-    assert ("refusion", "ReFusion tau=0.7") in table and ("refusion", "ReFusion tau=0.9") not in table
+    assert ("refusion", "ReFusion b=8 tau=0.7") in table and ("refusion", "ReFusion b=8 tau=0.9") not in table
     assert ("cover", "COVER tau=0.8") in table and ("cover", "COVER tau=0.8 without override") not in table
 
 
