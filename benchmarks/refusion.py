@@ -12,7 +12,8 @@ One run, two phases, every row at batch 1 in this process after an untimed warm-
    most accurate one when none is).
 2. **Test** (the first ``--num-samples`` held-out test problems): the two AR greedy rows, ReFusion at
    the chosen b and every tau of the sweep with KV reuse, and the chosen (b, tau) again with
-   ``kv_reuse=false`` (the whole context recomputed every forward, the paper's ablation).
+   ``kv_reuse=false`` (the whole context recomputed every forward, the paper's ablation) and with
+   ``fuse_plan=false`` (a plan forward every step: the same tokens, more forwards).
 
 Columns: accuracy (exact ``#### n``); = base AR greedy (share of samples whose output tokens equal the
 base's AR greedy output exactly); TPF = committed tokens / decoding forwards and NFE per sample
@@ -70,24 +71,28 @@ def run_row(label: str, model, tok, rows, decoder: dict) -> dict:
     return row, sorted(result.records, key=lambda r: r["index"])
 
 
-def label(block_size: int, tau: float, kv_reuse: bool = True) -> str:
-    return f"ReFusion b={block_size} tau={tau:g}" + ("" if kv_reuse else ", kv_reuse=false")
+ABLATIONS = ({"kv_reuse": False}, {"fuse_plan": False})
+
+
+def label(block_size: int, tau: float, **ablation: bool) -> str:
+    return f"ReFusion b={block_size} tau={tau:g}" + "".join(f", {k}={str(v).lower()}" for k, v in ablation.items())
 
 
 def phase(args, models, rows, settings: list[tuple[int, float]],
-          recompute: tuple[int, float] | None = None) -> list[dict]:
+          ablate: tuple[int, float] | None = None) -> list[dict]:
     """AR greedy of the base and of the ReFusion checkpoint, then ReFusion at every (b, tau) of
-    ``settings`` (and ``recompute`` with ``kv_reuse=false``)."""
+    ``settings``, and at ``ablate`` once per entry of ``ABLATIONS``."""
     common = {"max_new_tokens": args.max_new_tokens, "batch_size": 1}
     refusion = {"name": "refusion", **common, "slot_size": args.slot_size}
     runs = [run_row("AR greedy (base)", *models["base"], rows, {"name": "ar", **common}),
             run_row(OWN_AR, *models["refusion"], rows, {"name": "ar", **common})]
     for b, tau in settings:
         runs.append(run_row(label(b, tau), *models["refusion"], rows, {**refusion, "block_size": b, "threshold": tau}))
-    if recompute is not None:
-        b, tau = recompute
-        runs.append(run_row(label(b, tau, kv_reuse=False), *models["refusion"], rows,
-                            {**refusion, "block_size": b, "threshold": tau, "kv_reuse": False}))
+    if ablate is not None:
+        b, tau = ablate
+        for ablation in ABLATIONS:
+            runs.append(run_row(label(b, tau, **ablation), *models["refusion"], rows,
+                                {**refusion, "block_size": b, "threshold": tau, **ablation}))
     (base, base_records), (_, own_records), table = runs[0], runs[1], [row for row, _ in runs]
     for row, records in runs:
         row["tps_ratio"] = row["tps"] / base["tps"]
@@ -134,14 +139,15 @@ def main() -> None:
     val = phase(args, models, validation_rows(args.num_val), grid)
     (block, tau), rule = choose_setting(val, args.max_drop)
     test = phase(args, models, held_out_rows(args.num_samples), [(block, t) for t in args.thresholds],
-                 recompute=(block, tau))
+                 ablate=(block, tau))
 
     by_label = {r["decoder"]: r for r in test}
     reuse, recompute = by_label[label(block, tau)], by_label[label(block, tau, kv_reuse=False)]
+    ablations = [by_label[label(block, tau, **a)] for a in ABLATIONS]
     base = test[0]
     goals = {
         "tpf_2.5_within_2_points": any(r["tpf"] >= 2.5 and r["accuracy"] >= base["accuracy"] - 0.02 - 1e-9
-                                       for r in test if r["decoder"].startswith("ReFusion") and r is not recompute),
+                                       for r in test if r["decoder"].startswith("ReFusion") and r not in ablations),
         "kv_reuse_tps_1.5x_recompute": reuse["tps"] >= 1.5 * recompute["tps"],
         "kv_reuse_accuracy_within_1_point_of_recompute": abs(reuse["accuracy"] - recompute["accuracy"]) <= 0.01 + 1e-9,
     }

@@ -212,8 +212,43 @@ def test_wholesale_acceptance_cache_equals_reference(tokenizer, recording, seed)
     result = decode(model, tokenizer, PROMPTS[seed], threshold=1e-9, block_size=8)
     assert_valid(result, tokenizer)
     assert result.stats["wholesale_steps"] == result.stats["steps"] and result.stats["complete_forwards"] == 0
-    assert result.forwards == 2 * result.stats["steps"]
+    # every step after the first takes its plan from the previous verify forward (fuse_plan)
+    assert result.stats["plans_fused"] == result.stats["steps"] - 1 > 0
+    assert result.forwards == 2 * result.stats["steps"] - result.stats["plans_fused"]
     assert_cache_matches_reference(model, recording[0])
+
+
+@pytest.mark.parametrize("kv_reuse", [True, False])
+@pytest.mark.parametrize("mode", ["greedy", "sample"])
+def test_fused_plan_saves_the_plan_forward_with_the_same_tokens(tokenizer, monkeypatch, kv_reuse, mode):
+    """fuse_plan plans the next step's slots in the verify forward: when every selected slot is
+    accepted whole, the tokens must be those of a separate plan forward (fuse_plan=false), sampled
+    ones included (the random stream is the same), every distribution drawn from equal to 1e-5,
+    with exactly one plan forward fewer per use."""
+    model = converted_model(tokenizer, seed=3)
+    drawn = []
+    pick = ReFusionDecoder._pick
+    monkeypatch.setattr(ReFusionDecoder, "_pick", lambda self, probs, g: drawn.append(probs.clone()) or pick(self, probs, g))
+
+    def run(prompt, **cfg):
+        drawn.clear()
+        return decode(model, tokenizer, prompt, seed=5, **cfg), list(drawn)
+
+    used = 0
+    settings = [(1e-9, 8, "block"), (0.05, 4, "block"), (0.3, 8, "block"), (0.05, None, "block"), (0.05, 4, "all")]
+    for prompt, (threshold, block, scope) in itertools.product(PROMPTS, settings):
+        cfg = {"threshold": threshold, "block_size": block, "plan_scope": scope, "kv_reuse": kv_reuse, "mode": mode}
+        fast, fast_drawn = run(prompt, fuse_plan=True, **cfg)
+        slow, slow_drawn = run(prompt, fuse_plan=False, **cfg)
+        assert fast.tokens == slow.tokens
+        assert len(fast_drawn) == len(slow_drawn)
+        for a, b in zip(fast_drawn, slow_drawn, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert slow.stats["plans_fused"] == 0
+        assert slow.forwards - fast.forwards == fast.stats["plans_fused"]
+        assert fast.stats["plan_forwards"] + fast.stats["plans_fused"] == fast.stats["steps"] == slow.stats["steps"]
+        used += fast.stats["plans_fused"]
+    assert used > 0
 
 
 def test_recompute_context_holds_the_output_in_position_order(tokenizer, recording):
@@ -273,6 +308,22 @@ def test_eos_inside_the_selected_slots_keeps_every_slot_before_it(tokenizer, kv_
         assert result.stats["steps"] >= 3 and result.stats["slots_accepted"] == result.stats["steps"]
 
 
+@pytest.mark.parametrize("kv_reuse", [True, False])
+def test_fused_plan_is_not_used_after_eos_shortens_the_target(tokenizer, kv_reuse):
+    """Slot 2 (offsets 8-11, k = 4, b = 12) drafted alone with EOS first and accepted whole: the target
+    shrinks to 9 and step 2 plans slots 0 and 1, the very slots step 1's verify forward planned, but
+    over a context without slot 2's tokens after EOS, so step 2 needs a plan forward of its own; every
+    later step (whole acceptance, threshold ~0) takes its plan from the verify forward before it."""
+    mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+    prompt = PROMPTS[0]
+    model = EOSAt(converted_model(tokenizer, seed=4), mask_id, len(prompt) + 8)
+    result = decode(model, tokenizer, prompt, plan_threshold=0.9, verify_threshold=1e-9, block_size=12,
+                    kv_reuse=kv_reuse)
+    assert result.hit_eos and len(result.tokens) == 9
+    assert result.stats["wholesale_steps"] == result.stats["steps"] >= 3
+    assert result.stats["plans_fused"] == result.stats["steps"] - 2
+
+
 # --- valid outputs over a grid of settings ---------------------------------------------------------
 
 
@@ -317,7 +368,7 @@ def test_registry_builds_it_and_summarize_aggregates(tokenizer):
     summary = decoder.summarize(records)
     steps = sum(r.stats["steps"] for r in results)
     assert summary["refusion_slots_per_step"] == pytest.approx(sum(r.stats["slots_accepted"] for r in results) / steps)
-    assert summary["refusion_plan_forwards"] == steps
+    assert summary["refusion_plan_forwards"] + summary["refusion_plans_fused"] == steps
 
 
 # --- bad input gets a named error ----------------------------------------------------------------

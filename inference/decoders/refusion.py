@@ -32,6 +32,14 @@ last one possibly short) and semi-AR blocks of b tokens (b a multiple of k). Eac
    tokens (the context and the prefix, in order) are kept and the slot's next token is taken from
    its distribution after the prefix, so completion starts at round 1 with the same tokens.
 
+**Fused plan** (``fuse_plan``, default): the verify forward of step t also feeds, after the drafts,
+the masks of the slots step t + 1 would plan if every selected slot were accepted whole without EOS.
+Attention is causal, so those masks see exactly the context that step t + 1's plan forward would
+see (the committed context and the accepted drafts, at the same positions). When step t does end
+that way, step t + 1 takes its drafts and scores from those rows (sampled only then, so the random
+stream is the same) and runs no plan forward: the same tokens (tested, both KV modes), one forward
+fewer. Otherwise the extra rows are discarded with the verify K/V they came with.
+
 KV reuse: committed K/V are never recomputed. After the plan forward that consumed the pending
 tokens, the entries of the previous step are regrouped so that each completed slot's K/V are
 contiguous, in generation order (slots of one step in position order), every entry at its original
@@ -48,7 +56,8 @@ Counting (SPEC §0): ``forwards`` = plan + verify + completion forwards (the pre
 ``committed`` = output tokens up to and including EOS. ``stats``: ``steps`` (plan-and-infill
 iterations), ``slots_accepted`` (slots completed, over all steps), ``wholesale_steps`` (steps ended
 by verification), ``plan_forwards``, ``verify_forwards``, ``complete_forwards``, ``verify_reused``
-(completions that started from the verify forward).
+(completions that started from the verify forward), ``plans_fused`` (plans taken from the previous
+verify forward, no forward of their own).
 
 Decisions where the paper and SPEC are silent: the ``<|mask|>`` logit is excluded from every
 distribution (a draft or completion never emits it); in sample mode the score and verification
@@ -102,6 +111,10 @@ class ReFusionDecoderConfig(DecoderConfig):
     # its verified prefix and takes its next token from that forward (one completion forward fewer,
     # the same tokens); false: completion re-feeds the prefix, as the SPEC words it.
     reuse_verify: bool = True
+    # true: the verify forward also carries the masks of the slots the next step would plan if every
+    # selected slot is accepted whole; when that happens their predictions replace the next plan
+    # forward (the same tokens, one forward fewer); false: every step has its own plan forward.
+    fuse_plan: bool = True
 
 
 def resolve_slot_size(model, slot_size: int | None) -> int:
@@ -213,6 +226,13 @@ class _Slot:
     tokens: Optional[list[int]] = None  # decoded tokens, None while masked
 
 
+def _plan_set(remaining: list[_Slot], block: int, scope: str) -> tuple[list[_Slot], list[_Slot]]:
+    """(the current semi-AR block's slots among ``remaining``, the slots a plan forward covers)."""
+    current = min(s.start // block for s in remaining)
+    in_block = [s for s in remaining if s.start // block == current]
+    return in_block, (remaining if scope == "all" else in_block)
+
+
 class ReFusionDecoder(PerSampleDecoder):
     name = "refusion"
 
@@ -240,13 +260,14 @@ class ReFusionDecoder(PerSampleDecoder):
         """Per-run aggregates: mean slots accepted per plan-and-infill step, and the forward mix."""
         total = {key: sum(r["stats"].get(key, 0) for r in records)
                  for key in ("steps", "slots_accepted", "wholesale_steps", "plan_forwards", "verify_forwards",
-                             "complete_forwards")}
+                             "complete_forwards", "plans_fused")}
         steps = total["steps"]
         return {
             "refusion_slots_per_step": total["slots_accepted"] / steps if steps else None,
             "refusion_wholesale_fraction": total["wholesale_steps"] / steps if steps else None,
             "refusion_steps_per_sample": steps / len(records) if records else None,
-            **{f"refusion_{key}": total[key] for key in ("plan_forwards", "verify_forwards", "complete_forwards")},
+            **{f"refusion_{key}": total[key]
+               for key in ("plan_forwards", "verify_forwards", "complete_forwards", "plans_fused")},
         }
 
     # -- distributions ---------------------------------------------------------------------------
@@ -283,7 +304,8 @@ class ReFusionDecoder(PerSampleDecoder):
         slots = [_Slot(i, s, min(s + k, length)) for i, s in enumerate(range(0, length, k))]
         end = length  # target length; shrinks to EOS + 1
         stats = {"slot_size": k, "steps": 0, "slots_accepted": 0, "wholesale_steps": 0, "plan_forwards": 0,
-                 "verify_forwards": 0, "complete_forwards": 0, "verify_reused": 0}
+                 "verify_forwards": 0, "complete_forwards": 0, "verify_reused": 0, "plans_fused": 0}
+        fused = None  # (spans, end, probs [m, V]) of the next plan, from the last verify forward
 
         # 1. Prefill prompt[:-1]; the last prompt token is the first pending token.
         ctx = _Context(model, prompt[:-1], self.cfg.kv_reuse)
@@ -296,20 +318,25 @@ class ReFusionDecoder(PerSampleDecoder):
                 if not remaining:
                     break
                 stats["steps"] += 1
-                current = min(s.start // block for s in remaining)
-                in_block = [s for s in remaining if s.start // block == current]
-                planned = remaining if self.cfg.plan_scope == "all" else in_block
+                in_block, planned = _plan_set(remaining, block, self.cfg.plan_scope)
 
-                # 2. Plan: [pending | masks of the planned slots]; drafts and first-token scores.
+                # 2. Plan: [pending | masks of the planned slots]; drafts and first-token scores
+                #    (or the rows the last verify forward computed for exactly these slots).
                 ctx.drop_beyond(n_prompt + end)
                 pending = [p for p in pending if p[1] < n_prompt + end]
                 spans = [(s, list(range(s.start, min(s.stop, end)))) for s in planned]
-                mask_pos = [n_prompt + o for _, offsets in spans for o in offsets]
-                logits = ctx.forward([p[0] for p in pending] + [mask_id] * len(mask_pos),
-                                     [p[1] for p in pending] + mask_pos,
-                                     [p[2] for p in pending] + [SHARED] * len(mask_pos))
-                stats["plan_forwards"] += 1
-                probs = self._probs(logits[len(pending):], mask_id)  # [m, V]
+                if fused is not None and not pending and fused[:2] == (self._span_key(spans), end):
+                    probs = fused[2]  # [m, V]
+                    stats["plans_fused"] += 1
+                else:
+                    mask_pos = [n_prompt + o for _, offsets in spans for o in offsets]
+                    logits = ctx.forward([p[0] for p in pending] + [mask_id] * len(mask_pos),
+                                         [p[1] for p in pending] + mask_pos,
+                                         [p[2] for p in pending] + [SHARED] * len(mask_pos))
+                    stats["plan_forwards"] += 1
+                    probs = self._probs(logits[len(pending):], mask_id)  # [m, V]
+                    ctx.crop(len(ctx) - len(mask_pos))  # drop the masks, keep the pending tokens
+                fused = None
                 tokens = self._pick(probs, generator)  # [m]
                 token_probs = probs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
                 drafts, first_prob, row = {}, {}, 0
@@ -317,20 +344,23 @@ class ReFusionDecoder(PerSampleDecoder):
                     drafts[s.index] = tokens[row: row + len(offsets)]
                     first_prob[s.index] = token_probs[row]
                     row += len(offsets)
-                ctx.crop(len(ctx) - len(mask_pos))  # drop the masks, keep the pending tokens
                 ctx.regroup(step_start)  # the previous step's slots contiguous, in generation order
                 pending, step_start = [], len(ctx)
                 selected = [s for s in in_block if first_prob[s.index] > self.plan_threshold]
                 if not selected:
                     selected = [max(in_block, key=lambda s: first_prob[s.index])]
 
-                # 3. Verify the concatenated drafts in one forward.
+                # 3. Verify the concatenated drafts in one forward (followed by the masks of the
+                #    next plan when fused: they see the context and every draft, causally).
                 base_len = len(ctx)
                 ids = [t for s in selected for t in drafts[s.index]]
                 pos = [n_prompt + s.start + j for s in selected for j in range(len(drafts[s.index]))]
-                logits = ctx.forward(ids, pos, [SHARED] * len(ids))
+                ahead = self._spans_after(remaining, selected, block, end) if self.cfg.fuse_plan else []
+                ahead_pos = [n_prompt + o for _, offsets in ahead for o in offsets]
+                logits = ctx.forward(ids + [mask_id] * len(ahead_pos), pos + ahead_pos,
+                                     [SHARED] * (len(ids) + len(ahead_pos)))
                 stats["verify_forwards"] += 1
-                probs = self._probs(logits, mask_id)  # [q, V]
+                probs = self._probs(logits[: len(ids)], mask_id)  # [q, V]
                 verified, per_slot, row = [], [], 0
                 for s in selected:
                     draft = drafts[s.index]
@@ -348,10 +378,12 @@ class ReFusionDecoder(PerSampleDecoder):
                     whole += 1
 
                 if whole:
-                    # 3a. Accept whole slots with this forward's K/V.
+                    # 3a. Accept whole slots with this forward's K/V (the next plan's masks dropped).
                     ctx.crop(base_len + covered)
                     done = {s.index: list(drafts[s.index]) for s in selected[:whole]}
                     stats["wholesale_steps"] += 1
+                    if ahead and whole == len(selected):  # used only if EOS leaves the target as it is
+                        fused = (self._span_key(ahead), end, self._probs(logits[len(ids):], mask_id))
                 else:
                     # 3b. Truncate to the common verified prefix and complete in parallel.
                     common = max(1, min(per_slot))
@@ -395,6 +427,19 @@ class ReFusionDecoder(PerSampleDecoder):
         hit_eos = bool(out) and out[-1] in eos_token_ids
         return DecodeResult(tokens=out, forwards=sum(stats[f"{p}_forwards"] for p in ("plan", "verify", "complete")),
                             committed=len(out), wall_time_s=timer.elapsed, hit_eos=hit_eos, stats=stats)
+
+    @staticmethod
+    def _span_key(spans: list[tuple[_Slot, list[int]]]) -> list[tuple[int, int]]:
+        return [(s.index, len(offsets)) for s, offsets in spans]
+
+    def _spans_after(self, remaining: list[_Slot], selected: list[_Slot], block: int,
+                     end: int) -> list[tuple[_Slot, list[int]]]:
+        """The spans the next step plans if every selected slot is accepted whole without EOS."""
+        taken = {s.index for s in selected}
+        left = [s for s in remaining if s.index not in taken]
+        if not left:
+            return []
+        return [(s, list(range(s.start, min(s.stop, end)))) for s in _plan_set(left, block, self.cfg.plan_scope)[1]]
 
     def _complete(self, ctx: _Context, base: int, selected: list[_Slot], seqs: dict[int, list[int]], fed: int,
                   n_prompt: int, end: int, mask_id: int, eos_token_ids: Collection[int],
