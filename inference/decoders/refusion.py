@@ -32,7 +32,8 @@ last one possibly short) and semi-AR blocks of b tokens (b a multiple of k). Eac
    tokens (the context and the prefix, in order) are kept and the slot's next token is taken from
    its distribution after the prefix, so completion starts at round 1 with the same tokens.
 
-**Fused plan** (``fuse_plan``, default): the verify forward of step t also feeds, after the drafts,
+**Fused plan** (``fuse_plan``, default; not in the paper or the SPEC, whose plan is a forward of its
+own every step): the verify forward of step t also feeds, after the drafts,
 the masks of the slots step t + 1 would plan if every selected slot were accepted whole without EOS.
 Attention is causal, so those masks see exactly the context that step t + 1's plan forward would
 see (the committed context and the accepted drafts, at the same positions). When step t does end
@@ -233,6 +234,11 @@ def _plan_set(remaining: list[_Slot], block: int, scope: str) -> tuple[list[_Slo
     return in_block, (remaining if scope == "all" else in_block)
 
 
+def _spans(slots: list[_Slot], end: int) -> list[tuple[_Slot, list[int]]]:
+    """Each slot with its generation offsets before the target length ``end``."""
+    return [(s, list(range(s.start, min(s.stop, end)))) for s in slots]
+
+
 class ReFusionDecoder(PerSampleDecoder):
     name = "refusion"
 
@@ -305,7 +311,7 @@ class ReFusionDecoder(PerSampleDecoder):
         end = length  # target length; shrinks to EOS + 1
         stats = {"slot_size": k, "steps": 0, "slots_accepted": 0, "wholesale_steps": 0, "plan_forwards": 0,
                  "verify_forwards": 0, "complete_forwards": 0, "verify_reused": 0, "plans_fused": 0}
-        fused = None  # (spans, end, probs [m, V]) of the next plan, from the last verify forward
+        fused = None  # (slot indices, end, probs [m, V]) of the next plan, from the last verify forward
 
         # 1. Prefill prompt[:-1]; the last prompt token is the first pending token.
         ctx = _Context(model, prompt[:-1], self.cfg.kv_reuse)
@@ -324,8 +330,8 @@ class ReFusionDecoder(PerSampleDecoder):
                 #    (or the rows the last verify forward computed for exactly these slots).
                 ctx.drop_beyond(n_prompt + end)
                 pending = [p for p in pending if p[1] < n_prompt + end]
-                spans = [(s, list(range(s.start, min(s.stop, end)))) for s in planned]
-                if fused is not None and not pending and fused[:2] == (self._span_key(spans), end):
+                spans = _spans(planned, end)
+                if fused is not None and fused[:2] == ([s.index for s in planned], end):
                     probs = fused[2]  # [m, V]
                     stats["plans_fused"] += 1
                 else:
@@ -355,8 +361,8 @@ class ReFusionDecoder(PerSampleDecoder):
                 base_len = len(ctx)
                 ids = [t for s in selected for t in drafts[s.index]]
                 pos = [n_prompt + s.start + j for s in selected for j in range(len(drafts[s.index]))]
-                ahead = self._spans_after(remaining, selected, block, end) if self.cfg.fuse_plan else []
-                ahead_pos = [n_prompt + o for _, offsets in ahead for o in offsets]
+                ahead = self._planned_after(remaining, selected, block) if self.cfg.fuse_plan else []
+                ahead_pos = [n_prompt + o for _, offsets in _spans(ahead, end) for o in offsets]
                 logits = ctx.forward(ids + [mask_id] * len(ahead_pos), pos + ahead_pos,
                                      [SHARED] * (len(ids) + len(ahead_pos)))
                 stats["verify_forwards"] += 1
@@ -383,7 +389,7 @@ class ReFusionDecoder(PerSampleDecoder):
                     done = {s.index: list(drafts[s.index]) for s in selected[:whole]}
                     stats["wholesale_steps"] += 1
                     if ahead and whole == len(selected):  # used only if EOS leaves the target as it is
-                        fused = (self._span_key(ahead), end, self._probs(logits[len(ids):], mask_id))
+                        fused = ([s.index for s in ahead], end, self._probs(logits[len(ids):], mask_id))
                 else:
                     # 3b. Truncate to the common verified prefix and complete in parallel.
                     common = max(1, min(per_slot))
@@ -428,18 +434,11 @@ class ReFusionDecoder(PerSampleDecoder):
         return DecodeResult(tokens=out, forwards=sum(stats[f"{p}_forwards"] for p in ("plan", "verify", "complete")),
                             committed=len(out), wall_time_s=timer.elapsed, hit_eos=hit_eos, stats=stats)
 
-    @staticmethod
-    def _span_key(spans: list[tuple[_Slot, list[int]]]) -> list[tuple[int, int]]:
-        return [(s.index, len(offsets)) for s, offsets in spans]
-
-    def _spans_after(self, remaining: list[_Slot], selected: list[_Slot], block: int,
-                     end: int) -> list[tuple[_Slot, list[int]]]:
-        """The spans the next step plans if every selected slot is accepted whole without EOS."""
+    def _planned_after(self, remaining: list[_Slot], selected: list[_Slot], block: int) -> list[_Slot]:
+        """The slots the next step plans if every selected slot is accepted whole without EOS."""
         taken = {s.index for s in selected}
         left = [s for s in remaining if s.index not in taken]
-        if not left:
-            return []
-        return [(s, list(range(s.start, min(s.stop, end)))) for s in _plan_set(left, block, self.cfg.plan_scope)[1]]
+        return _plan_set(left, block, self.cfg.plan_scope)[1] if left else []
 
     def _complete(self, ctx: _Context, base: int, selected: list[_Slot], seqs: dict[int, list[int]], fed: int,
                   n_prompt: int, end: int, mask_id: int, eos_token_ids: Collection[int],
