@@ -1,0 +1,17 @@
+"""benchmarks.decoder_eval: decoder specs become batch-1 configs; bad specs get a named error."""
+import pytest
+
+from benchmarks.decoder_eval import decoder_configs
+from common.errors import ConfigError
+
+
+def test_specs_become_batch_one_configs_with_the_default_length():
+    configs = decoder_configs(['{"name": "ar"}', '{"name": "refusion", "block_size": 8, "max_new_tokens": 32}'], 64)
+    assert configs == [{"batch_size": 1, "max_new_tokens": 64, "name": "ar"},
+                       {"batch_size": 1, "max_new_tokens": 32, "name": "refusion", "block_size": 8}]
+
+
+@pytest.mark.parametrize("spec", ['{"name": "ar"', '["ar"]', '{"threshold": 0.5}'])
+def test_bad_specs_are_named(spec):
+    with pytest.raises(ConfigError, match="--decoder"):
+        decoder_configs([spec], 64)
