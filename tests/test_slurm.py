@@ -170,8 +170,16 @@ def test_train_sbatch_signal_before_training_requeues(slurm, tmp_path):
     instead of killing the shell; the requeued job trains to the end."""
     job = sbatch(slurm, tmp_path, "train.sbatch", [*FAST, "trainer.max_steps=2", f"output_dir={tmp_path / 'run'}"])
     wait_for(slurm, job, {"RUNNING"})
+    # RUNNING can come before slurmd has started the batch shell, and a signal sent then is lost (seen
+    # once in CI: the job trained to the end unsignalled). The preamble's first line comes after the
+    # trap is installed and before the config is resolved: signal once it is in the log.
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while "pardec: job" not in log_of(slurm, job):
+        assert time.monotonic() < deadline, f"the batch shell never started:\n{log_of(slurm, job)[-6000:]}"
+        time.sleep(0.1)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True, timeout=30)
     info = wait_for(slurm, job, {"COMPLETED"}, release_requeued=True)
     log = log_of(slurm, job)
     assert info["Restarts"] == "1" and "restart 1" in log, log[-6000:]
+    assert "SIGUSR1 before training started" in log, log[-6000:]
     assert "training finished at step 2" in log, log[-6000:]
