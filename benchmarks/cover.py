@@ -4,7 +4,8 @@
 Rows (same generation length and block, batch 1, greedy, one process, one after the other, each
 after an untimed warm-up on two problems): LLaDA low-confidence with one token per step (the
 paper's baseline, the TPS reference), Fast-dLLM threshold (prefix cache, tau 0.9), WINO (official
-0.6 / 0.9), Saber (official n = 2, mu = 8), COVER, and COVER without KV override (same settings).
+0.6 / 0.9), Saber (official n = 2, mu = 8), COVER (``seed_input=token``, the default), COVER with the
+seeds fed masked as in the paper (``seed_input=mask``), and COVER without KV override (same settings).
 COVER's tau_draft is chosen on a *validation* split first (``--taus``; best accuracy, then fewest
 steps), then every row runs on the held-out test problems. The validation problems are the
 generator's ``val`` split (disjoint from train and test).
@@ -95,6 +96,7 @@ def main() -> None:
         ("WINO 0.6 / 0.9", {"name": "wino", "threshold": 0.6, "threshold_back": 0.9}),
         ("Saber n=2 / mu=8", {"name": "saber", "min_tokens": 2, "remask_divisor": 8}),
         (f"COVER tau={tau}", {"name": "cover", "draft_threshold": tau}),
+        (f"COVER tau={tau}, seeds fed masked (paper)", {"name": "cover", "draft_threshold": tau, "seed_input": "mask"}),
         (f"COVER tau={tau} without override", {"name": "cover", "draft_threshold": tau, "override": False}),
     ]
     table = []

@@ -18,6 +18,15 @@ query at i predicts position i (row i, the diagonal); with a shift (``shift=1``,
 converted models, ``CheckpointMetadata.logit_shift``) the query at i - 1 predicts position i, so the
 self-leak to remove sits at row i - 1, column i.
 
+Which queries see ``cached`` at a seed column (``KVOverrideStep.cached_for``):
+
+- :data:`OTHERS` (the paper): the input holds the seed masked, ``cached`` holds its token's K/V;
+  every query but the verifying row sees ``cached``, the verifying row this forward's (mask) K/V.
+- :data:`VERIFIERS` (the mirror, for shifted models): the input holds the seed's token,
+  ``cached`` holds mask-derived K/V of the seed column; only the verifying row sees ``cached``,
+  every other query this forward's (token) K/V. Both are the same closed form with the roles of
+  the two memories swapped.
+
 Use: register once (:func:`register`), switch the model to :data:`KV_OVERRIDE` (a decoder does so
 in ``prepare``), and pass ``kv_override=KVOverrideStep(...)`` to the model's forward (transformers
 hands extra forward kwargs to every layer's attention function). Without a step the function is
@@ -39,18 +48,23 @@ import torch
 from transformers import AttentionInterface
 
 KV_OVERRIDE = "pardec_kv_override"
+OTHERS = "others"  # every query but the seed's verifying row sees the cached K/V (the paper)
+VERIFIERS = "verifiers"  # only the seed's verifying row sees the cached K/V (the mirror)
+CACHED_FOR = (OTHERS, VERIFIERS)
 
 
 @dataclass
 class KVOverrideStep:
     """The state of one forward, passed as ``model(..., kv_override=step)``."""
 
-    # [b, kv] bool: seed columns, whose K/V are replaced by ``cached`` for every query but their own
-    # verifying one. All false (or cached None): no override.
+    # [b, kv] bool: seed columns, whose K/V are replaced by ``cached`` for the queries ``cached_for``
+    # names. All false (or cached None): no override.
     seeds: torch.Tensor | None = None
-    # Per layer index, the previous step's (key, value) [b, h_kv, kv, d] (post-RoPE), e.g. the
-    # ``recorded`` of the previous step.
+    # Per layer index, (key, value) [b, h_kv, kv, d] (post-RoPE) for the seed columns: the previous
+    # step's ``recorded`` (OTHERS), or mask-derived K/V of the seeds (VERIFIERS).
     cached: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    # OTHERS: every query but the seed's verifying row sees ``cached``; VERIFIERS: only that row.
+    cached_for: str = OTHERS
     # 1 = logit shift (row i - 1 verifies column i); 0 = row i verifies column i.
     shift: int = 1
     # Keep the corrected head-averaged attention probabilities [b, q, kv] of this layer (e.g. the last).
@@ -95,22 +109,27 @@ def kv_override_attention(
     v = _repeat_kv(value, n_rep).float()  # [b, h, kv, d]
     q = query.float()  # [b, h, q, d]
     override = step is not None and step.cached is not None and step.seeds is not None and bool(step.seeds.any())
+    k_all, v_all, k_row, v_row = k, v, k, v  # what every query sees; what the verifying rows see
     if override:
+        if step.cached_for not in CACHED_FOR:
+            raise ValueError(f"KVOverrideStep.cached_for = {step.cached_for!r}; expected one of {CACHED_FOR}")
         cached_k, cached_v = step.cached[layer]
         seed_cols = step.seeds[:, None, :, None]  # [b, 1, kv, 1]
-        k_ovr = torch.where(seed_cols, _repeat_kv(cached_k, n_rep).float(), k)  # [b, h, kv, d]
-        v_ovr = torch.where(seed_cols, _repeat_kv(cached_v, n_rep).float(), v)  # [b, h, kv, d]
-    else:
-        k_ovr, v_ovr = k, v
+        k_swap = torch.where(seed_cols, _repeat_kv(cached_k, n_rep).float(), k)  # [b, h, kv, d]
+        v_swap = torch.where(seed_cols, _repeat_kv(cached_v, n_rep).float(), v)  # [b, h, kv, d]
+        if step.cached_for == OTHERS:
+            k_all, v_all = k_swap, v_swap
+        else:
+            k_row, v_row = k_swap, v_swap
 
-    # 2. Attention over the overridden memory.
-    scores = torch.matmul(q, k_ovr.transpose(-1, -2)) * scale  # [b, h, q, kv]
+    # 2. Attention over what every query sees.
+    scores = torch.matmul(q, k_all.transpose(-1, -2)) * scale  # [b, h, q, kv]
     if attention_mask is not None:
         scores = scores + attention_mask.float()
     weights = torch.softmax(scores, dim=-1)  # [b, h, q, kv]
-    out = torch.matmul(weights, v_ovr)  # [b, h, q, d]
+    out = torch.matmul(weights, v_all)  # [b, h, q, d]
 
-    # 3. Closed-form correction of each seed's verifying row r = i - shift: restore column i.
+    # 3. Closed-form correction of each seed's verifying row r = i - shift: column i from k_row, v_row.
     if override:
         batch_idx, col = step.seeds.nonzero(as_tuple=True)  # [n], [n]
         row = col - step.shift - offset  # [n] query index of the verifying row
@@ -118,11 +137,11 @@ def kv_override_attention(
         batch_idx, col, row = batch_idx[keep], col[keep], row[keep]
         if batch_idx.numel():
             q_r = q[batch_idx, :, row]  # [n, h, d]
-            delta = ((q_r * (k[batch_idx, :, col] - k_ovr[batch_idx, :, col])).sum(-1) * scale)  # [n, h]
+            delta = ((q_r * (k_row[batch_idx, :, col] - k_all[batch_idx, :, col])).sum(-1) * scale)  # [n, h]
             alpha = weights[batch_idx, :, row, col]  # [n, h]
             grow = torch.exp(delta)  # [n, h]
             ratio = 1 + alpha * (grow - 1)  # [n, h]
-            shift_v = (grow.unsqueeze(-1) * v[batch_idx, :, col] - v_ovr[batch_idx, :, col])  # [n, h, d]
+            shift_v = (grow.unsqueeze(-1) * v_row[batch_idx, :, col] - v_all[batch_idx, :, col])  # [n, h, d]
             out[batch_idx, :, row] = (out[batch_idx, :, row] + alpha.unsqueeze(-1) * shift_v) / ratio.unsqueeze(-1)
             new_row = weights[batch_idx, :, row] / ratio.unsqueeze(-1)  # [n, h, kv]
             new_row[torch.arange(col.numel()), :, col] = alpha * grow / ratio

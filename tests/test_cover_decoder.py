@@ -192,17 +192,20 @@ TWO_PASS = "pardec_test_cover_two_pass"
 
 
 class TwoPassState:
-    """What the explicit attention below needs and records: seeds, the previous forward's K/V."""
+    """What the explicit attention below needs and records: seeds, the K/V injected at them and for
+    which rows (``verifiers_only``: the seed's verifying row only, else every other row)."""
 
-    def __init__(self, seeds: list[int], cached: dict | None, last_layer: int):
+    def __init__(self, seeds: list[int], cached: dict | None, last_layer: int, verifiers_only: bool = False):
         self.seeds, self.cached, self.last_layer = seeds, cached, last_layer
+        self.verifiers_only = verifiers_only
         self.recorded: dict = {}
         self.attention = None
 
 
 def two_pass_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, two_pass=None, **kw):
     """Row by row: every seed column holds the cached K/V, except for the row verifying it (seed - 1),
-    which sees the seed's K/V of this forward; plain softmax attention (no closed form)."""
+    which sees the seed's K/V of this forward (``verifiers_only``: the other way round); plain
+    softmax attention (no closed form)."""
     layer, state = module.layer_idx, two_pass
     state.recorded[layer] = (key, value)
     rep = query.shape[1] // key.shape[1]
@@ -213,7 +216,7 @@ def two_pass_attention(module, query, key, value, attention_mask, scaling=None, 
     for r in range(q.shape[1]):
         keys, values = k.clone(), v.clone()
         for j in state.seeds:
-            if state.cached is not None and r != j - 1:
+            if state.cached is not None and (r == j - 1) == state.verifiers_only:
                 ck, cv = state.cached[layer]
                 keys[:, j] = ck.repeat_interleave(rep, 1)[0, :, j].double()
                 values[:, j] = cv.repeat_interleave(rep, 1)[0, :, j].double()
@@ -226,7 +229,7 @@ def two_pass_attention(module, query, key, value, attention_mask, scaling=None, 
     return out.transpose(0, 1)[None].to(query.dtype).contiguous(), None
 
 
-def two_pass_forward(model, x, prompt_len, attention, attn_block, seeds, cached):
+def two_pass_forward(model, x, prompt_len, attention, attn_block, seeds, cached, verifiers_only=False):
     """Logits [n, V], the last layer's attention [n, n] and this forward's K/V, under the explicit
     override attention (the mask built pair by pair as in :func:`eager_forward`)."""
     from transformers import AttentionInterface
@@ -239,7 +242,7 @@ def two_pass_forward(model, x, prompt_len, attention, attn_block, seeds, cached)
         for j in range(n):
             if attention == "block" and blocks[j] > blocks[i]:
                 mask[0, 0, i, j] = torch.finfo(torch.float32).min
-    state = TwoPassState(seeds, cached, model.config.num_hidden_layers - 1)
+    state = TwoPassState(seeds, cached, model.config.num_hidden_layers - 1, verifiers_only)
     previous = model.config._attn_implementation
     model.set_attn_implementation(TWO_PASS)
     try:
@@ -252,21 +255,36 @@ def two_pass_forward(model, x, prompt_len, attention, attn_block, seeds, cached)
 
 
 def reference_cover(model, prompt, length, block, tau, budget, max_rev, attention, attn_block=None, eos=EOS,
-                    override=False):
+                    override=False, seed_input="mask"):
     """COVER written out in plain Python; with ``override`` the forwards use the explicit row-by-row
-    override attention above, without it the eager backend on the masked input."""
+    override attention above, without it the eager backend on the masked input. ``seed_input=token``:
+    the seeds keep their tokens and their verifying rows see, per layer, the seed column's K/V from
+    the last forward that fed that position a mask (kept position by position)."""
     x = list(prompt) + [MASK] * length
     p_len, n, forwards = len(prompt), len(prompt) + length, 0
     revisions: dict[int, int] = defaultdict(int)
     events = 0
     recorded = None
+    token_input = override and seed_input == "token"
+    mask_columns: dict[int, dict] = {}  # position -> layer -> (k [h_kv, d], v [h_kv, d]) when last fed a mask
 
     for b in range(length // block):
         s = p_len + b * block
         seeds: list[int] = []
         while MASK in x[s : s + block]:
-            fed = [MASK if i in seeds else t for i, t in enumerate(x)]
-            if override:
+            fed = [MASK if i in seeds and not token_input else t for i, t in enumerate(x)]
+            if token_input:
+                cached = None
+                if seeds:
+                    cached = {layer: tuple(torch.zeros_like(t) for t in kv) for layer, kv in recorded.items()}
+                    for j in seeds:
+                        for layer, (ck, cv) in mask_columns[j].items():
+                            cached[layer][0][0, :, j], cached[layer][1][0, :, j] = ck, cv
+                logits, attn, recorded = two_pass_forward(model, fed, p_len, attention, attn_block, seeds, cached,
+                                                          verifiers_only=True)
+                for j in (i for i, t in enumerate(fed) if t == MASK):
+                    mask_columns[j] = {layer: (k[0, :, j], v[0, :, j]) for layer, (k, v) in recorded.items()}
+            elif override:
                 logits, attn, recorded = two_pass_forward(model, fed, p_len, attention, attn_block, seeds,
                                                           recorded if seeds else None)
             else:
@@ -343,7 +361,8 @@ def test_without_override_equals_the_reference():
     assert total_revisions > 0
 
 
-def test_with_override_equals_the_explicit_reference():
+@pytest.mark.parametrize("seed_input", ["mask", "token"])
+def test_with_override_equals_the_explicit_reference(seed_input):
     """override=true: same tokens, forwards and revisions as the reference whose every layer runs
     the override as an explicit second pass per row (no closed form); the override changes the run
     relative to override=false somewhere (it is really applied)."""
@@ -351,10 +370,10 @@ def test_with_override_equals_the_explicit_reference():
     for attention, attn_block, tau, budget, max_rev in CASES[:3]:
         model = mdm_model(attention, block=attn_block)
         for prompt in PROMPTS:
-            cfg = {"draft_threshold": tau, "draft_budget": budget, "max_revisions": max_rev}
+            cfg = {"draft_threshold": tau, "draft_budget": budget, "max_revisions": max_rev, "seed_input": seed_input}
             result, _ = cover(cfg, model, prompt)
             tokens, forwards, events = reference_cover(model, prompt, L, B, tau, budget, max_rev, attention,
-                                                       attn_block, override=True)
+                                                       attn_block, override=True, seed_input=seed_input)
             assert (result.tokens, result.forwards, result.stats["revisions"]) == (tokens, forwards, events), (
                 attention, tau, prompt)
             ablated, _ = cover({**cfg, "override": False}, model, prompt)
@@ -364,19 +383,20 @@ def test_with_override_equals_the_explicit_reference():
 
 @pytest.mark.parametrize("attention", ["bidirectional", "block"])
 def test_override_forward_equals_the_explicit_two_pass_model_forward(attention):
-    """A whole decoder forward (two layers, seeds masked, cache from a forward over another state):
+    """A whole decoder forward (seed_input=mask; two layers, seeds masked, cache from a forward over another state):
     logits and the last layer's attention equal the explicit row-by-row reference."""
     model = mdm_model(attention, block=B)
-    decoder = build_decoder({"name": "cover", "max_new_tokens": L, "block_size": B}, mdm_tokenizer())
+    decoder = build_decoder({"name": "cover", "max_new_tokens": L, "block_size": B, "seed_input": "mask"},
+                            mdm_tokenizer())
     prompt = PROMPTS[2]
     torch.manual_seed(1)
     with decoder.prepare(model), torch.no_grad():
         run = BlockRun(decoder, model, mdm_info(model), prompt, L, B, torch.device("cpu"))
         run.x[len(prompt): len(prompt) + 8] = torch.randint(3, VOCAB - 1, (8,))  # two blocks decoded
-        _, previous = decoder._forward(run, [], None, 1, 1)
+        _, previous, _ = decoder._forward(run, [], None, 1, 1)
         run.x[len(prompt) + 8] = 5  # the state moved on
         seeds = [len(prompt) + 4, len(prompt) + 6, len(prompt) + 7]
-        logits, step = decoder._forward(run, seeds, previous.recorded, 1, 1)
+        logits, step, _ = decoder._forward(run, seeds, previous.recorded, 1, 1)
     n = run.x.numel()
     x = run.x.tolist()
     fed = [MASK if i in seeds else t for i, t in enumerate(x)]
@@ -400,7 +420,7 @@ def one_layer_mdm(attention: str):
 
 @pytest.mark.parametrize("attention", ["bidirectional", "block"])
 def test_override_forward_reproduces_the_plain_forward_off_the_verifying_rows(attention):
-    """Seeds masked in the input, their K/V taken from a forward over the *unmasked* sequence, one
+    """seed_input=mask: seeds masked in the input, their K/V taken from a forward over the *unmasked* sequence, one
     layer: every query row except the seeds' own rows and their verifying rows (i - 1, the logit
     shift) sees exactly the K/V of the unmasked forward, so its logits equal it; the verifying rows
     differ (they see the seed's mask K/V). Without override (override=false) the other rows change
@@ -408,18 +428,19 @@ def test_override_forward_reproduces_the_plain_forward_off_the_verifying_rows(at
     a non-seed position, and its leave-one-out hidden state feeds its own K/V to every query in the
     next layer.)"""
     model = one_layer_mdm(attention)
-    decoder = build_decoder({"name": "cover", "max_new_tokens": L, "block_size": B}, mdm_tokenizer())
+    decoder = build_decoder({"name": "cover", "max_new_tokens": L, "block_size": B, "seed_input": "mask"},
+                            mdm_tokenizer())
     info = mdm_info(model)
     prompt = PROMPTS[2]
     torch.manual_seed(0)
     with decoder.prepare(model), torch.no_grad():
         run = BlockRun(decoder, model, info, prompt, L, B, torch.device("cpu"))
         run.x[len(prompt):] = torch.randint(3, VOCAB - 1, (L,))  # a fully decoded answer
-        plain_logits, plain = decoder._forward(run, [], None, 1, 0)
+        plain_logits, plain, _ = decoder._forward(run, [], None, 1, 0)
         seeds = [len(prompt) + 1, len(prompt) + 6]
-        logits, step = decoder._forward(run, seeds, plain.recorded, 1, 0)
+        logits, step, _ = decoder._forward(run, seeds, plain.recorded, 1, 0)
         decoder.cfg.override = False
-        ablated, _ = decoder._forward(run, seeds, plain.recorded, 1, 0)
+        ablated, _, _ = decoder._forward(run, seeds, plain.recorded, 1, 0)
     verifying = {j - 1 for j in seeds}
     others = [r for r in range(run.x.numel()) if r not in verifying and r not in seeds]
     torch.testing.assert_close(logits[others], plain_logits[others], atol=1e-5, rtol=1e-5)
@@ -487,7 +508,8 @@ def ar_greedy(model, prompt):
 def test_attention_is_restored_after_a_decode_and_after_an_error():
     model = mdm_model("bidirectional")
     before = ar_greedy(model, PROMPTS[0])
-    decoder = build_decoder({"name": "cover", "max_new_tokens": L, "block_size": B}, mdm_tokenizer())
+    decoder = build_decoder({"name": "cover", "max_new_tokens": L, "block_size": B, "seed_input": "mask"},
+                            mdm_tokenizer())
     with decoder.prepare(model):
         assert model.config._attn_implementation == KV_OVERRIDE
         assert not any(m.is_causal for m in model.modules() if hasattr(m, "is_causal"))
@@ -504,7 +526,41 @@ def test_attention_is_restored_after_a_decode_and_after_an_error():
 
 
 @pytest.mark.parametrize("key,value", [("draft_threshold", 1.0), ("draft_budget", 0), ("max_revisions", -1),
-                                       ("freecache", True)])
+                                       ("freecache", True), ("seed_input", "tokens")])
 def test_bad_options_are_named_errors(key, value):
     with pytest.raises(ConfigError, match=f"decoder.{key}"):
         build_decoder({"name": "cover", key: value}, mdm_tokenizer())
+
+
+def test_token_input_keeps_every_row_but_the_verifying_ones():
+    """seed_input=token, one layer: the seeds hold their tokens, so every row except the verifying
+    rows (i - 1) equals the plain forward exactly, the seed's own row (which predicts i + 1) included;
+    each verifying row equals the forward over the input with that seed masked, on the row's
+    prediction (one layer: the seed column's mask K/V are those of that forward)."""
+    model = one_layer_mdm("bidirectional")
+    decoder = build_decoder({"name": "cover", "max_new_tokens": L, "block_size": B, "seed_input": "token"},
+                            mdm_tokenizer())
+    prompt = PROMPTS[2]
+    torch.manual_seed(3)
+    seeds = [len(prompt) + 1, len(prompt) + 6]
+    with decoder.prepare(model), torch.no_grad():
+        run = BlockRun(decoder, model, mdm_info(model), prompt, L, B, torch.device("cpu"))
+        run.x[len(prompt):] = torch.randint(3, VOCAB - 1, (L,))
+        plain_logits, _, _ = decoder._forward(run, [], None, 1, 0)
+        masked_runs = {}
+        for j in seeds:  # each seed masked alone: its column's mask-derived K/V
+            saved = int(run.x[j])
+            run.x[j] = MASK
+            masked_runs[j] = decoder._forward(run, [], None, 1, 0)
+            run.x[j] = saved
+        memory = {0: tuple(t.clone() for t in masked_runs[seeds[0]][1].recorded[0])}
+        for t_mem, t_j in zip(memory[0], masked_runs[seeds[1]][1].recorded[0]):
+            t_mem[:, :, seeds[1]] = t_j[:, :, seeds[1]]
+        logits, _, fed_masks = decoder._forward(run, seeds, memory, 1, 0)
+    assert not fed_masks.any()  # the seeds were fed their tokens
+    verifying = {j - 1 for j in seeds}
+    others = [r for r in range(run.x.numel()) if r not in verifying]
+    torch.testing.assert_close(logits[others], plain_logits[others], atol=1e-5, rtol=1e-5)
+    for j in seeds:
+        torch.testing.assert_close(logits[j - 1], masked_runs[j][0][j - 1], atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(logits[j - 1], plain_logits[j - 1], atol=1e-3)

@@ -1,6 +1,7 @@
 """KV-override attention (COVER): the closed-form correction against an explicit second attention
-pass, per query row, for shift 0 and 1, grouped-query attention, a block mask, padding and a query
-range shorter than the keys; a cache equal to the current K/V changes nothing; a whole model runs
+pass, per query row, for shift 0 and 1, the cache seen by the other queries (the paper) or by the
+verifying rows only (the mirror), grouped-query attention, a block mask, padding and a query range
+shorter than the keys; a cache equal to the current K/V changes nothing; a whole model runs
 under it and is restored afterwards."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from masks.core import additive_mask
-from models.kv_override import KV_OVERRIDE, KVOverrideStep, kv_override_attention, register
+from models.kv_override import KV_OVERRIDE, OTHERS, VERIFIERS, KVOverrideStep, kv_override_attention, register
 from tests.conftest import tiny_model
 
 
@@ -19,9 +20,10 @@ class Layer(torch.nn.Module):
         self.layer_idx = layer_idx
 
 
-def explicit_two_pass(q, k, v, cached_k, cached_v, seeds, mask, shift, scale):
-    """Row by row: the override memory (seed columns from the cache), except that the row verifying
-    seed i (row i - shift) sees column i from the current K/V. Plain softmax attention per row."""
+def explicit_two_pass(q, k, v, cached_k, cached_v, seeds, mask, shift, scale, cached_for=OTHERS):
+    """Row by row: OTHERS, the override memory (seed columns from the cache), except that the row
+    verifying seed i (row i - shift) sees column i from the current K/V; VERIFIERS, the current K/V
+    except that the verifying row sees column i from the cache. Plain softmax attention per row."""
     b, h, q_len, _ = q.shape
     h_kv, kv_len = k.shape[1], k.shape[2]
     rep = h // h_kv
@@ -34,7 +36,7 @@ def explicit_two_pass(q, k, v, cached_k, cached_v, seeds, mask, shift, scale):
                 keys, values = k[bi, g].clone().double(), v[bi, g].clone().double()
                 for j in range(kv_len):
                     verifying = bool(seeds[bi, j]) and j - shift - offset == r
-                    if seeds[bi, j] and not verifying:
+                    if seeds[bi, j] and verifying == (cached_for == VERIFIERS):
                         keys[j], values[j] = cached_k[bi, g, j].double(), cached_v[bi, g, j].double()
                 scores = (keys @ q[bi, head, r].double()) * scale  # [kv]
                 if mask is not None:
@@ -54,9 +56,10 @@ def block_mask(b: int, q_len: int, kv_len: int, block: int, pad: list[int]) -> t
     return additive_mask(rule, b, q_len, kv_len, torch.float32, kv_cache_len=kv_len - q_len)
 
 
+@pytest.mark.parametrize("cached_for", [OTHERS, VERIFIERS])
 @pytest.mark.parametrize("shift", [0, 1])
 @pytest.mark.parametrize("masked,q_len", [(False, 10), (True, 10), (True, 6)])
-def test_closed_form_equals_an_explicit_second_pass(shift, masked, q_len):
+def test_closed_form_equals_an_explicit_second_pass(shift, masked, q_len, cached_for):
     torch.manual_seed(shift * 10 + q_len)
     b, h, h_kv, kv_len, d = 2, 4, 2, 10, 8  # grouped-query attention: 2 heads per KV head
     q = torch.randn(b, h, q_len, d)
@@ -66,10 +69,11 @@ def test_closed_form_equals_an_explicit_second_pass(shift, masked, q_len):
     seeds[0, [5, 7, 9]] = True
     seeds[1, [4, 8]] = True
     mask = block_mask(b, q_len, kv_len, block=3, pad=[0, 1]) if masked else None
-    step = KVOverrideStep(seeds=seeds, cached={0: (cached_k, cached_v)}, shift=shift, attention_layer=0)
+    step = KVOverrideStep(seeds=seeds, cached={0: (cached_k, cached_v)}, shift=shift, attention_layer=0,
+                          cached_for=cached_for)
     scale = d**-0.5
     out, _ = kv_override_attention(Layer(), q, k, v, mask, scaling=scale, kv_override=step)  # [b, q, h, d]
-    reference = explicit_two_pass(q, k, v, cached_k, cached_v, seeds, mask, shift, scale)  # [b, h, q, d]
+    reference = explicit_two_pass(q, k, v, cached_k, cached_v, seeds, mask, shift, scale, cached_for)  # [b, h, q, d]
     torch.testing.assert_close(out.transpose(1, 2).double(), reference, atol=1e-5, rtol=1e-5)
     assert step.attention.shape == (b, q_len, kv_len)
     torch.testing.assert_close(step.attention.sum(-1), torch.ones(b, q_len), atol=1e-5, rtol=0)
@@ -93,12 +97,13 @@ def test_the_correction_sits_on_the_shifted_row():
     assert not torch.allclose(outputs[1][0, 2], plain_override[0, 2]) and torch.allclose(outputs[1][0, 3], plain_override[0, 3])
 
 
-def test_a_cache_equal_to_the_current_kv_changes_nothing():
+@pytest.mark.parametrize("cached_for", [OTHERS, VERIFIERS])
+def test_a_cache_equal_to_the_current_kv_changes_nothing(cached_for):
     torch.manual_seed(1)
     q, k, v = torch.randn(2, 4, 7, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
     seeds = torch.rand(2, 7) > 0.5
     mask = block_mask(2, 7, 7, block=2, pad=[2, 0])
-    same = KVOverrideStep(seeds=seeds, cached={0: (k, v)}, shift=1)
+    same = KVOverrideStep(seeds=seeds, cached={0: (k, v)}, shift=1, cached_for=cached_for)
     out, _ = kv_override_attention(Layer(), q, k, v, mask, kv_override=same)
     plain, _ = kv_override_attention(Layer(), q, k, v, mask)
     reference = torch.nn.functional.scaled_dot_product_attention(

@@ -28,6 +28,15 @@ forward (no cache: each step is one full forward with the explicit bidirectional
    verifying row); not done here (tests: the identity holds for a one-layer model). Likewise the
    row that predicts position i + 1 is the seed's own row, whose input is ``<|mask|>``: it sees the
    seed's cached K/V through attention, but its residual stream starts from the mask embedding.
+   ``seed_input=token`` **(beyond the paper, for the logit shift)** mirrors the override: the
+   seeds keep their tokens in the input, so every row (the seed's own, which predicts i + 1,
+   included) is the plain forward's, except each seed's verifying row i - 1, which sees column i
+   through the same closed-form correction with the K/V that column had in the last forward that
+   fed position i a mask (its drafting forward, or the one after a ReMask), kept per layer and
+   position. What a non-verifying query sees at a seed is then this forward's token K/V instead of
+   the previous forward's (which for a seed drafted one step earlier are mask-derived). Without a
+   shift the verifying row would be the seed's own row, whose input is its token: the mirror needs
+   the shift (which ``mdm_info`` guarantees).
 2. *Draft*: among the block's masked positions (not the seeds), those with confidence (softmax
    probability of the argmax) > ``draft_threshold``, at most ``draft_budget`` (the most confident),
    and the most confident one always **(choice: SPEC's "always top-1", so every step progresses)**.
@@ -82,9 +91,10 @@ from inference.decoders.mdm_common import (
     mdm_info,
 )
 from models.bidirectional import non_causal
-from models.kv_override import KV_OVERRIDE, KVOverrideStep, register
+from models.kv_override import KV_OVERRIDE, OTHERS, VERIFIERS, KVOverrideStep, register
 
 KEEP = "keep"
+SEED_INPUTS = ("mask", "token")
 
 
 @dataclass
@@ -98,6 +108,11 @@ class CoverConfig(MDMDecoderConfig):
     max_revisions: int = 5
     # false: the "w/o kv" ablation (seeds re-masked, no K/V injection, no correction).
     override: bool = True
+    # With override: "token" (the mirror, beyond the paper; chosen on val: see the README) feeds the
+    # seeds' tokens and shows only each seed's verifying row mask-derived K/V (from the last forward
+    # that fed the seed a mask); "mask" (the paper) feeds the seeds masked and shows every other
+    # query their previous-forward K/V.
+    seed_input: str = "token"
 
 
 # -- the step rules, on one block's tensors (tested on hand-built tables) ---------------------------
@@ -180,6 +195,16 @@ def select_seeds(scores: torch.Tensor, pool: torch.Tensor, eligible: torch.Tenso
     return sorted(ranked[:k].tolist())
 
 
+def remember_mask_kv(memory, recorded, fed_masks: torch.Tensor):
+    """Per layer, ``recorded`` K/V [1, h_kv, n, d] at the positions fed a mask (``fed_masks [n]``),
+    ``memory``'s elsewhere (all of ``recorded`` when there is no memory yet)."""
+    if memory is None:
+        return dict(recorded)
+    where = fed_masks[None, None, :, None]  # [1, 1, n, 1]
+    return {layer: (torch.where(where, k, memory[layer][0]), torch.where(where, v, memory[layer][1]))
+            for layer, (k, v) in recorded.items()}
+
+
 class CoverDecoder(MDMDecoder):
     name = "cover"
     no_freecache_reason = "COVER runs one full forward per step (its K/V override replaces the previous step's K/V)"
@@ -192,6 +217,8 @@ class CoverDecoder(MDMDecoder):
             raise ConfigError(f"config key 'decoder.draft_budget' must be >= 1, got {cfg.draft_budget}")
         if cfg.max_revisions < 0:
             raise ConfigError(f"config key 'decoder.max_revisions' must be >= 0, got {cfg.max_revisions}")
+        if cfg.seed_input not in SEED_INPUTS:
+            raise ConfigError(f"config key 'decoder.seed_input' = {cfg.seed_input!r}; expected one of {SEED_INPUTS}")
 
     @contextlib.contextmanager
     def prepare(self, model) -> Iterator[None]:
@@ -210,22 +237,26 @@ class CoverDecoder(MDMDecoder):
     # -- one forward -------------------------------------------------------------------------------
 
     def _forward(self, run: BlockRun, seeds: list[int], cached, shift: int, last_layer: int):
-        """The full sequence with ``seeds`` masked; logits [n, V] and the step (recorded K/V, attention)."""
+        """The full sequence with ``seeds`` masked (or, ``seed_input=token``, holding their tokens);
+        logits [n, V], the step (recorded K/V, attention) and which positions were fed a mask [n]."""
         n = run.x.numel()
         fed = run.x.clone()
         seed_mask = torch.zeros(1, n, dtype=torch.bool, device=run.x.device)
+        token_input = self.cfg.override and self.cfg.seed_input == "token"
         if seeds:
-            fed[seeds] = run.info.mask_id
+            if not token_input:
+                fed[seeds] = run.info.mask_id
             seed_mask[0, seeds] = True
         use_override = self.cfg.override and bool(seeds) and cached is not None
         step = KVOverrideStep(seeds=seed_mask if use_override else None, cached=cached if use_override else None,
-                              shift=shift, attention_layer=last_layer)
+                              shift=shift, attention_layer=last_layer,
+                              cached_for=VERIFIERS if token_input else OTHERS)
         out = run.model(input_ids=fed[None], position_ids=torch.arange(n, device=run.x.device)[None],
                         attention_mask=run.full_mask, kv_override=step)
         run.dlm_forwards += 1
         if step.attention is None:
             raise RuntimeError("the KV-override attention did not run (decode inside decoder.prepare(model))")
-        return out.logits[0], step
+        return out.logits[0], step, fed == run.info.mask_id
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -249,6 +280,8 @@ class CoverDecoder(MDMDecoder):
         log = RevisionLog()
         capped = n_seeds = fresh_seeds = 0
         mask_id = info.mask_id
+        token_input = cfg.override and cfg.seed_input == "token"
+        mask_kv = None  # seed_input=token: per layer, each position's K/V from the last forward that fed it a mask
 
         with LoopTimer(device) as timer:
             for b in range(run.n_blocks):
@@ -256,7 +289,9 @@ class CoverDecoder(MDMDecoder):
                 seeds: list[int] = []  # absolute positions verified by the next forward
                 cached = None
                 while run.masked_in_block(b).any():
-                    logits, step = self._forward(run, seeds, cached, shift, last_layer)
+                    logits, step, fed_masks = self._forward(run, seeds, cached, shift, last_layer)
+                    if token_input:
+                        mask_kv = remember_mask_kv(mask_kv, step.recorded, fed_masks)
                     probs = torch.softmax(logits[s - shift : e - shift].float(), dim=-1)  # [B, V]
                     masked = run.masked_in_block(b)  # [B] (seeds hold their tokens in x)
                     conf, tokens = probs.max(-1)  # [B], [B]
@@ -304,7 +339,7 @@ class CoverDecoder(MDMDecoder):
                     seeds = [s + o for o in select_seeds(scores, pool, eligible)]
                     n_seeds += len(seeds)
                     fresh_seeds += sum(1 for p in seeds if p - s in drafted)  # cached K/V are mask-derived
-                    cached = step.recorded if cfg.override else None
+                    cached = (mask_kv if token_input else step.recorded) if cfg.override else None
                 if run.done(eos):
                     break
 
