@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -83,9 +84,8 @@ def _refusion_chosen(data) -> str:
 
 
 def _cover_chosen(data) -> str:
-    """The COVER row at the tau_draft the benchmark chose on validation (not its no-override ablation)."""
-    return next(r["decoder"] for r in data["test"]
-                if r["decoder"].startswith("COVER") and "without" not in r["decoder"])
+    """The COVER row at the tau_draft the benchmark chose on validation (not its ablations)."""
+    return next(r["decoder"] for r in data["test"] if re.fullmatch(r"COVER tau=[0-9.]+", r["decoder"]))
 
 
 ROWS: tuple[Row, ...] = (

@@ -28,7 +28,7 @@ LABELS = {
                      "FreeCache (refresh), low-confidence 1/step", "FreeCache + guided (assisted, strict)",
                      "Guided (shifted, strict; = base AR greedy)"],
     "cover": ["LLaDA low-confidence, 1 token/step (baseline)", "WINO 0.6 / 0.9", "Saber n=2 / mu=8", "COVER tau=0.8",
-              "COVER tau=0.8 without override"],
+              "COVER tau=0.8, seeds fed masked (paper)", "COVER tau=0.8 without override"],
 }
 
 
@@ -87,6 +87,7 @@ def test_chosen_settings_pick_the_benchmarks_choice(tmp_path):
     table = by_decoder(summary.build(summary.load_sources(results), {}))
     assert ("refusion", "ReFusion b=8 tau=0.7") in table and ("refusion", "ReFusion b=8 tau=0.9") not in table
     assert ("cover", "COVER tau=0.8") in table and ("cover", "COVER tau=0.8 without override") not in table
+    assert ("cover", "COVER tau=0.8, seeds fed masked (paper)") not in table
 
 
 def test_a_lossless_claim_below_full_identity_is_not_marked(tmp_path):
