@@ -27,6 +27,7 @@ import torch
 
 from benchmarks.common import held_out_rows, validation_rows
 from inference.checkpoint import load_checkpoint
+from inference.decoders.mdm_common import default_block_size, mdm_info
 from inference.evaluate import evaluate
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -38,7 +39,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-samples", type=int, default=200)
     p.add_argument("--num-validation", type=int, default=200)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="decoding block (default: the MDM's attention block for block models, else 32)")
     p.add_argument("--taus", default="0.7,0.8,0.9", help="COVER tau_draft grid, tuned on the validation split")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=str(RESULTS / "cover"))
@@ -77,6 +79,8 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     model, tok = load_checkpoint(args.mdm, device="cpu")
+    if args.block_size is None:
+        args.block_size = default_block_size(mdm_info(model))
     test = held_out_rows(args.num_samples)
     val = validation_rows(args.num_validation)
     warmup = test.select(range(min(2, len(test))))

@@ -34,6 +34,7 @@ import torch
 
 from benchmarks.common import held_out_rows, identical, validation_rows
 from inference.checkpoint import load_checkpoint
+from inference.decoders.mdm_common import default_block_size, mdm_info
 from inference.evaluate import evaluate
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -46,7 +47,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-samples", type=int, default=200)
     p.add_argument("--split", choices=("test", "val"), default="test")
     p.add_argument("--gen-length", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="decoding block (default: the MDM's attention block for block models, else 32)")
     p.add_argument("--threshold", type=float, default=0.9)
     p.add_argument("--rows", default="all", help="comma-separated row keys to run (see ROWS), or all")
     p.add_argument("--threads", type=int, default=2)
@@ -83,6 +85,8 @@ def main() -> None:
     eval_rows = validation_rows(args.num_samples) if args.split == "val" else held_out_rows(args.num_samples)
     models = {"base": load_checkpoint(args.base, device="cpu"), "mdm": load_checkpoint(args.mdm, device="cpu")}
     guide = models["base"][0]
+    if args.block_size is None:
+        args.block_size = default_block_size(mdm_info(models["mdm"][0]))
     selected = rows_config(args)
     if args.rows != "all":
         keys = set(args.rows.split(","))

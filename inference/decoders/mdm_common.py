@@ -101,6 +101,11 @@ class MDMInfo:
     mask_id: int
 
 
+def default_block_size(info: MDMInfo) -> int:
+    """The decoding block when none is given: a block model's attention block, else 32."""
+    return info.attention_block_size if info.attention == BLOCK else DEFAULT_BLOCK_SIZE
+
+
 def mdm_info(model, tokenizer=None) -> MDMInfo:
     """The checkpoint's MDM record; :class:`CheckpointError` naming the keys if it is not an MDM export."""
     meta = CheckpointMetadata.of_model(model)
@@ -142,9 +147,7 @@ class MDMDecoder(PerSampleDecoder):
         return FREECACHE if self.cfg.freecache else self.default_cache
 
     def block_size(self, info: MDMInfo) -> int:
-        size = self.cfg.block_size
-        if size is None:
-            size = info.attention_block_size if info.attention == BLOCK else DEFAULT_BLOCK_SIZE
+        size = self.cfg.block_size if self.cfg.block_size is not None else default_block_size(info)
         if self.cfg.max_new_tokens % size:
             raise ConfigError(
                 f"config key 'decoder.max_new_tokens' = {self.cfg.max_new_tokens} is not a multiple of the block size "
