@@ -66,8 +66,8 @@ forward (no cache: each step is one full forward with the explicit bidirectional
 revision removed; **(choice)** the paper counts every Replace as effective, here a Replace undone
 later is not; a position left masked by the EOS stop counts as not effective), ``capped_remasks``
 ``tokens_per_step`` (committed / steps), ``seeds`` (seeds chosen) and ``fresh_seeds`` (those drafted
-in the same step, so that the cache injected for them is the mask-derived K/V of that step's forward
-and the override changes nothing for them).
+in the same step; with ``seed_input=mask`` the cache injected for them is the mask-derived K/V of that
+step's forward, so the override changes nothing for them).
 """
 
 from __future__ import annotations
@@ -338,7 +338,7 @@ class CoverDecoder(MDMDecoder):
                             eligible[o] = False
                     seeds = [s + o for o in select_seeds(scores, pool, eligible)]
                     n_seeds += len(seeds)
-                    fresh_seeds += sum(1 for p in seeds if p - s in drafted)  # cached K/V are mask-derived
+                    fresh_seeds += sum(1 for p in seeds if p - s in drafted)  # seed_input=mask: their cache is mask-derived
                     cached = (mask_kv if token_input else step.recorded) if cfg.override else None
                 if run.done(eos):
                     break
