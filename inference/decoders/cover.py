@@ -338,7 +338,7 @@ class CoverDecoder(MDMDecoder):
                             eligible[o] = False
                     seeds = [s + o for o in select_seeds(scores, pool, eligible)]
                     n_seeds += len(seeds)
-                    fresh_seeds += sum(1 for p in seeds if p - s in drafted)  # seed_input=mask: their cache is mask-derived
+                    fresh_seeds += sum(1 for p in seeds if p - s in drafted)  # seed_input=mask: cache mask-derived
                     cached = (mask_kv if token_input else step.recorded) if cfg.override else None
                 if run.done(eos):
                     break
