@@ -234,6 +234,11 @@ class CoverDecoder(MDMDecoder):
         finally:
             model.set_attn_implementation(previous)
 
+    @property
+    def token_input(self) -> bool:
+        """Seeds keep their tokens in the input (``seed_input=token`` with the override on)."""
+        return self.cfg.override and self.cfg.seed_input == "token"
+
     # -- one forward -------------------------------------------------------------------------------
 
     def _forward(self, run: BlockRun, seeds: list[int], cached, shift: int, last_layer: int):
@@ -242,7 +247,7 @@ class CoverDecoder(MDMDecoder):
         n = run.x.numel()
         fed = run.x.clone()
         seed_mask = torch.zeros(1, n, dtype=torch.bool, device=run.x.device)
-        token_input = self.cfg.override and self.cfg.seed_input == "token"
+        token_input = self.token_input
         if seeds:
             if not token_input:
                 fed[seeds] = run.info.mask_id
@@ -280,7 +285,7 @@ class CoverDecoder(MDMDecoder):
         log = RevisionLog()
         capped = n_seeds = fresh_seeds = 0
         mask_id = info.mask_id
-        token_input = cfg.override and cfg.seed_input == "token"
+        token_input = self.token_input
         mask_kv = None  # seed_input=token: per layer, each position's K/V from the last forward that fed it a mask
 
         with LoopTimer(device) as timer:
