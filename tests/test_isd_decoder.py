@@ -17,7 +17,14 @@ from transformers import DynamicCache, Qwen3Config
 from common.errors import ConfigError
 from data_pipelines.idlm_batch import build_idlm_batch
 from inference.config import validate_validate_config
-from inference.decoders.isd import ISDDecoder, introspective_acceptance, introspective_ratios, step_forward
+from inference.decoders.isd import (
+    ISDDecoder,
+    StepMasks,
+    introspective_acceptance,
+    introspective_ratios,
+    step_attention_mask,
+    step_forward,
+)
 from inference.decoders.registry import build_decoder
 from inference.decoders.sampling import SamplingParams, probs_from_logits
 from inference.evaluate import evaluate
@@ -194,6 +201,20 @@ def test_step_forward_with_cache_and_4d_mask_equals_training_layout(arch, attn):
     torch.testing.assert_close(step[:stride], x0, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(step[stride:], xt, atol=1e-5, rtol=1e-5)
 
+
+
+@pytest.mark.parametrize("stride", [2, 4])
+def test_step_mask_views_equal_the_predicate_at_every_cache_length(stride):
+    """StepMasks evaluates the predicate once per step shape; every view it hands out (the buffer
+    grows past min_keys) equals the mask evaluated for that very cache length."""
+    masks = StepMasks(torch.float32, "cpu", min_keys=16)
+    for cache_len in range(0, 70):
+        for n_clean in (1, stride):  # propose and verify steps
+            view = masks.get(cache_len, n_clean, stride - 1)
+            expected = step_attention_mask(cache_len, n_clean, stride - 1, torch.float32, "cpu")
+            assert view.shape == expected.shape, (cache_len, n_clean)
+            assert torch.equal(view, expected), (cache_len, n_clean)
+    assert all(b.shape[-1] >= 70 for b in masks._buffers.values())
 
 # ----------------------------------------------------------------------------------------------
 # Exact bookkeeping with a fake "counting" LM whose draft quality is set by construction

@@ -30,7 +30,8 @@ the masks form one x_t block after the whole clean context (they see every clean
 them and the masks before them). As the masks sit at the end this is plain causal attention, but
 it is built from the same predicate as training, as a 4-D float additive mask of shape
 ``[1, 1, q, cache_len + q]`` (transformers returns a 4-D mask as is, with or without a cache),
-so only the dense backends (sdpa, eager) are accepted.
+so only the dense backends (sdpa, eager) are accepted. The predicate is evaluated once per step
+shape and decode; each step takes a view of it (:class:`StepMasks`).
 
 Acceptance (draft k, anchor p_k, draft distribution q_k at the mask that proposed it):
 
@@ -147,17 +148,48 @@ def step_attention_mask(cache_len: int, n_clean: int, n_masks: int, dtype: torch
     return additive_mask(idlm_mask(**metadata), 1, n_clean + n_masks, n_kv, dtype, device, cache_len)
 
 
-def step_forward(model, cache: DynamicCache, clean: Sequence[int], mask_id: int, n_masks: int) -> torch.Tensor:
+class StepMasks:
+    """:func:`step_attention_mask` of every step of one decode, evaluated once per step shape.
+
+    The cached keys are clean tokens before every query, and the I-DLM predicate lets every query
+    (clean or mask) see all of them. So the mask of a step after ``cache_len`` cached tokens is the
+    last ``cache_len + q`` columns of the mask of the same step after any longer cache: one
+    evaluation per (clean, masks) shape, right-aligned in a buffer that doubles when a step needs
+    more keys, and each step takes a view (no kernel runs per step). ``tests/test_isd_decoder.py``
+    checks the views against :func:`step_attention_mask` at every cache length.
+    """
+
+    def __init__(self, dtype: torch.dtype, device, min_keys: int = 256):
+        self.dtype, self.device, self.min_keys = dtype, device, min_keys
+        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+
+    def get(self, cache_len: int, n_clean: int, n_masks: int) -> torch.Tensor:
+        """Additive mask ``[1, 1, q, cache_len + q]`` (a view), equal to ``step_attention_mask``."""
+        q, keys = n_clean + n_masks, cache_len + n_clean + n_masks
+        buffer = self._buffers.get((n_clean, n_masks))
+        if buffer is None or buffer.shape[-1] < keys:
+            width = max(2 * keys, self.min_keys)
+            buffer = step_attention_mask(width - q, n_clean, n_masks, self.dtype, self.device)  # [1, 1, q, width]
+            self._buffers[(n_clean, n_masks)] = buffer
+        return buffer[..., buffer.shape[-1] - keys :]
+
+
+def step_forward(
+    model, cache: DynamicCache, clean: Sequence[int], mask_id: int, n_masks: int, masks: StepMasks | None = None
+) -> torch.Tensor:
     """One ISD forward over ``[clean..., n_masks x <|mask|>]`` after ``cache``; logits ``[q, V]``.
 
     The inputs take positions ``cache_len ..``; their K/V are appended to ``cache`` (the caller
-    crops it).
+    crops it). ``masks``: the decode's :class:`StepMasks` (none: the mask is evaluated here).
     """
     device = model_device(model)
     cache_len = cache.get_seq_length()
     ids = torch.tensor([list(clean) + [mask_id] * n_masks], device=device)  # [1, q]
     positions = torch.arange(cache_len, cache_len + ids.shape[1], device=device).unsqueeze(0)  # [1, q]
-    mask = step_attention_mask(cache_len, len(clean), n_masks, model.dtype, device)  # [1, 1, q, cache_len + q]
+    if masks is None:
+        mask = step_attention_mask(cache_len, len(clean), n_masks, model.dtype, device)  # [1, 1, q, cache_len + q]
+    else:
+        mask = masks.get(cache_len, len(clean), n_masks)  # [1, 1, q, cache_len + q]
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
     return out.logits[0]  # [q, V]
 
@@ -217,13 +249,16 @@ class ISDDecoder(PerSampleDecoder):
         forwards = 0
         stats = {"stride": stride, "propose_steps": 0, "verify_steps": 0, "reached": [0] * n_drafts,
                  "accepted": [0] * n_drafts}
+        masks = StepMasks(model.dtype, device)
 
         with LoopTimer(device) as timer:
             while True:
                 # 2. One forward: [pending, drafts, N-1 masks] (N or 2N-1 queries).
                 cache_len = cache.get_seq_length()
-                logits = step_forward(model, cache, [pending] + drafts, mask_id, n_drafts)  # [q, V]
+                logits = step_forward(model, cache, [pending] + drafts, mask_id, n_drafts, masks)  # [q, V]
                 forwards += 1
+                # greedy: one argmax and one device-to-host copy for the anchors and the new drafts
+                argmax = logits.argmax(-1).tolist() if self.greedy else None  # [q]
                 anchors = logits[: 1 + len(drafts)]  # [1+d, V]: row k predicts position cache_len+1+k
                 mask_logits = logits[1 + len(drafts) :]  # [N-1, V]: the new drafts
 
@@ -232,11 +267,13 @@ class ISDDecoder(PerSampleDecoder):
                     stats["verify_steps"] += 1
                 else:
                     stats["propose_steps"] += 1
-                new_tokens, n_accepted = self._verify(anchors, drafts, draft_probs, generator, stats)
+                new_tokens, n_accepted = self._verify(anchors, drafts, draft_probs, generator, stats, argmax)
 
                 # 4. Keep the K/V of pending + accepted drafts; drop masks and rejected drafts.
                 crop_cache(cache, cache_len + 1 + n_accepted)
-                if n_accepted == len(drafts):
+                if n_accepted == len(drafts) and self.greedy:
+                    drafts, draft_probs = argmax[1 + len(drafts) :], None
+                elif n_accepted == len(drafts):
                     drafts, draft_probs = self._propose(mask_logits, generator)
                 else:
                     drafts, draft_probs = [], None
@@ -255,10 +292,9 @@ class ISDDecoder(PerSampleDecoder):
             tokens=out, forwards=forwards, committed=len(out), wall_time_s=timer.elapsed, hit_eos=hit_eos, stats=stats
         )
 
-    def _propose(self, mask_logits: torch.Tensor, generator: torch.Generator) -> tuple[list[int], torch.Tensor | None]:
-        """Drafts from the mask logits ``[N-1, V]``: argmax (greedy / fast) or sampled from q."""
-        if self.greedy:
-            return mask_logits.argmax(-1).tolist(), None
+    def _propose(self, mask_logits: torch.Tensor, generator: torch.Generator) -> tuple[list[int], torch.Tensor]:
+        """Sample mode's drafts from the mask logits ``[N-1, V]``: sampled from q, or its argmax
+        ("fast" drafts); greedy mode takes the argmax of the step's logits instead."""
         q = probs_from_logits(mask_logits, self.sampling)  # [N-1, V]
         if self.cfg.draft_mode == "argmax":
             return q.argmax(-1).tolist(), q
@@ -271,11 +307,13 @@ class ISDDecoder(PerSampleDecoder):
         draft_probs: torch.Tensor | None,
         generator: torch.Generator,
         stats: dict[str, Any],
+        argmax: list[int] | None,
     ) -> tuple[list[int], int]:
         """``(tokens to commit, accepted drafts)``: the accepted drafts then one corrected or bonus
-        token. ``anchors [1+d, V]``: row k is p_{k+1}, the anchor of draft k+1 (row d: the bonus)."""
+        token. ``anchors [1+d, V]``: row k is p_{k+1}, the anchor of draft k+1 (row d: the bonus);
+        ``argmax`` (greedy): the argmax of every row of the step, anchors first."""
         if self.greedy:
-            targets = anchors.argmax(-1).tolist()  # [1+d]
+            targets = argmax  # row k < 1+d: argmax p_{k+1}
             for k, draft in enumerate(drafts):
                 stats["reached"][k] += 1
                 if draft != targets[k]:
