@@ -12,9 +12,19 @@ Two tables, one run, bf16, batch 1:
    AR greedy, ISD N=4 (I-DLM), R-ISD (gated LoRA), Jacobi and multi-block (Jacobi Forcing round 2),
    each after an untimed warm-up. TPS / AR is against the base's AR greedy in this run, and
    ``(TPS / AR) / TPF`` is the fraction of the forward saving that reaches wall time; ``ms / forward``
-   against AR's says why it falls short.
+   against AR's says why it falls short. On CUDA each row then decodes ``--profile-samples``
+   problems again under the profiler: GPU kernels and GPU busy time per forward, against the wall
+   time per forward, say whether a step waits on the GPU, on kernel launches or on host work.
 
-Writes ``benchmarks/results/gpu_decoding_{latency,decoding}.{md,json}``.
+3. ``graphs`` (the launch overhead, tried away): AR greedy steps of the base checkpoint with a
+   ``StaticCache``, run eagerly and as one ``torch.compile(mode="reduce-overhead")`` step (CUDA
+   graphs: the step's kernels are replayed without Python or per-kernel launches), against the
+   eager ``DynamicCache`` step the decoders run. ``--graph-prompts`` random prompts of 48 tokens,
+   ``--graph-steps`` greedy steps each (no EOS stop, so every variant runs the same steps), after
+   one untimed prompt (compilation and graph capture); the tokens of each variant are compared
+   with the eager ``DynamicCache`` ones.
+
+Writes ``benchmarks/results/gpu_decoding_{latency,decoding,graphs}.{md,json}``.
 """
 
 from __future__ import annotations
@@ -42,7 +52,8 @@ QUERY_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    p.add_argument("--tables", nargs="+", choices=("latency", "decoding"), default=["latency", "decoding"])
+    p.add_argument("--tables", nargs="+", choices=("latency", "decoding", "graphs"),
+                   default=["latency", "decoding", "graphs"])
     p.add_argument("--base", help="AR base export (HF dir)")
     p.add_argument("--idlm", help="I-DLM export (recipe=idlm)")
     p.add_argument("--risd", help="gated-LoRA export (recipe=idlm_lora)")
@@ -51,12 +62,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--cache", type=int, default=1024, help="KV-cache tokens of the latency table")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--profile-samples", type=int, default=3,
+                   help="problems decoded under the profiler per decoding row (kernels and GPU time per forward)")
+    p.add_argument("--graph-prompts", type=int, default=20)
+    p.add_argument("--graph-steps", type=int, default=64)
     p.add_argument("--device", default="cuda", help="cuda (what the tables are for); cpu runs the same code")
     p.add_argument("--out", default=str(RESULTS / "gpu_decoding"))
     args = p.parse_args()
     missing = [k for k in ("base", "idlm", "risd", "jacobi") if "decoding" in args.tables and not getattr(args, k)]
+    if "graphs" in args.tables and not args.base and "base" not in missing:
+        missing.append("base")
     if missing:
-        p.error("the decoding table needs " + ", ".join(f"--{k}" for k in missing))
+        p.error("the decoding and graphs tables need " + ", ".join(f"--{k}" for k in missing))
     return args
 
 
@@ -143,10 +160,87 @@ def decoding_table(args, on_row) -> list[dict]:
                "tpf": m["tpf"], "tps": m["tps"], "ms_per_forward": wall / forwards * 1e3}
         row["tps_ratio"] = row["tps"] / table[0]["tps"] if table else 1.0
         row["ratio_over_tpf"] = row["tps_ratio"] / row["tpf"]
+        if args.device == "cuda":
+            row.update(profile_decoder(model, tok, rows_eval.select(range(min(args.profile_samples, len(rows_eval)))),
+                                       decoder))
         table.append(row)
         print(json.dumps(row), flush=True)
         on_row(table)
     return table
+
+
+def profile_decoder(model, tok, rows, decoder: dict) -> dict:
+    """GPU kernels and GPU busy time per forward of ``decoder`` on ``rows``, under the profiler.
+
+    Set against ``ms / forward`` (wall), they say whether a decoder's step is bound by the GPU,
+    by kernel launches (kernels per forward) or by host work between them. The counts include
+    each sample's prefill, which ``forwards`` excludes (SPEC §0), so they are slight over-counts.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        result = evaluate(model, tok, rows, decoder, agreement=False, shard=False)
+    forwards = sum(r["forwards"] for r in result.records)
+    events = prof.key_averages()
+    kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return {"kernels_per_forward": kernels / forwards, "gpu_ms_per_forward": gpu_busy_ms(events) / forwards}
+
+
+def graphs_table(args) -> list[dict]:
+    """Per-token time of AR greedy steps: eager DynamicCache, eager StaticCache, compiled StaticCache."""
+    from transformers import StaticCache
+
+    model, _ = load_checkpoint(args.base, device=args.device, dtype="bfloat16")
+    device, prompt_len = model.device, 48
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, model.config.vocab_size - 1, (1, prompt_len), generator=g).to(device)
+               for _ in range(args.graph_prompts + 1)]  # the first one is the untimed warm-up
+    max_len = prompt_len + args.graph_steps + 1
+
+    def step(cache, ids, position):  # one AR step: [1, 1] -> logits [1, 1, V]
+        return model(input_ids=ids, position_ids=position.view(1, 1), cache_position=position, past_key_values=cache,
+                     use_cache=True, logits_to_keep=1).logits
+
+    compiled_step = torch.compile(step, mode="reduce-overhead")
+
+    static_cache = StaticCache(model.config, max_len)  # one per run, reset per prompt (as generate does)
+
+    def greedy(prompt, kind: str) -> tuple[list[int], float]:
+        if kind == "dynamic":
+            cache = DynamicCache(config=model.config)
+        else:
+            cache = static_cache
+            cache.reset()
+        run = compiled_step if kind == "compiled" else step
+        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits  # prefill
+        token, tokens = logits[:, -1].argmax(-1, keepdim=True), []  # [1, 1]
+        synchronize(device)
+        start = time.perf_counter()
+        for i in range(args.graph_steps):
+            if kind == "compiled":
+                torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs may be overwritten now
+            logits = run(cache, token, torch.tensor([prompt_len + i], device=device))
+            token = logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+            tokens.append(int(token))  # the host reads every token, as a decoder checking EOS does
+        synchronize(device)
+        return tokens, time.perf_counter() - start
+
+    rows, reference = [], None
+    labels = {"dynamic": "eager, DynamicCache (as the decoders run)", "static": "eager, StaticCache",
+              "compiled": "torch.compile reduce-overhead (CUDA graphs), StaticCache"}
+    with torch.no_grad():
+        for kind, label in labels.items():
+            greedy(prompts[0], kind)
+            runs = [greedy(p, kind) for p in prompts[1:]]
+            tokens = [t for t, _ in runs]
+            reference = reference or tokens
+            ms = sum(w for _, w in runs) / (len(runs) * args.graph_steps) * 1e3
+            rows.append({"step": label, "ms_per_token": ms,
+                         "tokens_equal": sum(a == b for a, b in zip(tokens, reference, strict=True)) / len(tokens)})
+            print(json.dumps(rows[-1]), flush=True)
+    for r in rows:
+        r["speedup"] = rows[0]["ms_per_token"] / r["ms_per_token"]
+    return rows
 
 
 def write(path: Path, command: str, device: str, md: str, payload) -> None:
@@ -165,11 +259,22 @@ def main() -> None:
     checkpoints = f" --base {args.base} --idlm {args.idlm} --risd {args.risd} --jacobi {args.jacobi}"
     command = lambda table: (  # noqa: E731
         f"python -m benchmarks.gpu_decoding --tables {table} "
-        + (f"--num-samples {args.num_samples}{checkpoints}" if table == "decoding" else f"--cache {args.cache}"))
+        + {"decoding": f"--num-samples {args.num_samples} --profile-samples {args.profile_samples}{checkpoints}",
+           "latency": f"--cache {args.cache}",
+           "graphs": f"--graph-prompts {args.graph_prompts} --graph-steps {args.graph_steps} --base {args.base}"}[table])
     if "latency" in args.tables:
         latency_section(args, out, command("latency"), device)
     if "decoding" in args.tables:
         decoding_section(args, out, command("decoding"), device)
+    if "graphs" in args.tables:
+        rows = graphs_table(args)
+        md = ("| AR greedy step (base checkpoint) | ms / token | speed-up | tokens equal to eager DynamicCache |\n"
+              "|---|---|---|---|\n"
+              + "\n".join(f"| {r['step']} | {r['ms_per_token']:.2f} | {r['speedup']:.2f}x | {r['tokens_equal']:.0%} |"
+                          for r in rows)
+              + f"\n\n{args.graph_prompts} random prompts of 48 tokens, {args.graph_steps} greedy steps each.")
+        print(md, flush=True)
+        write(out.with_name(out.name + "_graphs"), command("graphs"), device, md, rows)
 
 
 def latency_section(args, out: Path, command: str, device: str) -> None:
@@ -183,11 +288,18 @@ def latency_section(args, out: Path, command: str, device: str) -> None:
 
 def decoding_section(args, out: Path, command: str, device: str) -> None:
     def write_rows(table: list[dict]) -> str:
-        md = ("| decoder | accuracy | = own AR greedy | TPF | TPS | TPS / AR | (TPS / AR) / TPF | ms / forward |\n"
-              "|---|---|---|---|---|---|---|---|\n"
+        profiled = "kernels_per_forward" in table[0]
+        extra = lambda r: (f" {r['kernels_per_forward']:.0f} | {r['gpu_ms_per_forward']:.2f} |"  # noqa: E731
+                           if profiled else "")
+        md = ("| decoder | accuracy | = own AR greedy | TPF | TPS | TPS / AR | (TPS / AR) / TPF | ms / forward |"
+              + (" GPU kernels / forward | GPU busy ms / forward |" if profiled else "") + "\n"
+              + "|---" * (10 if profiled else 8) + "|\n"
               + "\n".join(f"| {r['decoder']} | {r['accuracy']:.1%} | {r['identical_to_own_ar']:.1%} | {r['tpf']:.2f} | "
                           f"{r['tps']:.1f} | {r['tps_ratio']:.2f}x | {r['ratio_over_tpf']:.2f} | "
-                          f"{r['ms_per_forward']:.2f} |" for r in table))
+                          f"{r['ms_per_forward']:.2f} |" + extra(r) for r in table))
+        if profiled:
+            md += (f"\n\nGPU kernels and GPU busy time per forward: {args.profile_samples} problems per row decoded "
+                   "again under torch.profiler (each sample's prefill included).")
         write(out.with_name(out.name + "_decoding"), command, device, md, table)
         return md
 
