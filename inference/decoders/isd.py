@@ -31,7 +31,7 @@ them and the masks before them). As the masks sit at the end this is plain causa
 it is built from the same predicate as training, as a 4-D float additive mask of shape
 ``[1, 1, q, cache_len + q]`` (transformers returns a 4-D mask as is, with or without a cache),
 so only the dense backends (sdpa, eager) are accepted. The predicate is evaluated once per step
-shape and decode; each step takes a view of it (:class:`StepMasks`).
+shape and decode; each step pads that block to its cache length (:class:`StepMasks`).
 
 Acceptance (draft k, anchor p_k, draft distribution q_k at the mask that proposed it):
 
@@ -152,26 +152,26 @@ class StepMasks:
     """:func:`step_attention_mask` of every step of one decode, evaluated once per step shape.
 
     The cached keys are clean tokens before every query, and the I-DLM predicate lets every query
-    (clean or mask) see all of them. So the mask of a step after ``cache_len`` cached tokens is the
-    last ``cache_len + q`` columns of the mask of the same step after any longer cache: one
-    evaluation per (clean, masks) shape, right-aligned in a buffer that doubles when a step needs
-    more keys, and each step takes a view (no kernel runs per step). ``tests/test_isd_decoder.py``
-    checks the views against :func:`step_attention_mask` at every cache length.
+    (clean or mask) see all of them. So the mask of a step after ``cache_len`` cached tokens is its
+    ``[q, q]`` block over the step's own keys, evaluated once per (clean, masks) shape, padded on
+    the left with ``cache_len`` zero (visible) columns: one padding kernel per step instead of the
+    predicate's tens. ``tests/test_isd_decoder.py`` checks the result against
+    :func:`step_attention_mask` at every cache length. (A view into one wide buffer would need no
+    kernel at all, but its unaligned start crashed SDPA's memory-efficient CUDA kernel with a
+    misaligned address on an H200.)
     """
 
-    def __init__(self, dtype: torch.dtype, device, min_keys: int = 256):
-        self.dtype, self.device, self.min_keys = dtype, device, min_keys
-        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+    def __init__(self, dtype: torch.dtype, device):
+        self.dtype, self.device = dtype, device
+        self._blocks: dict[tuple[int, int], torch.Tensor] = {}
 
     def get(self, cache_len: int, n_clean: int, n_masks: int) -> torch.Tensor:
-        """Additive mask ``[1, 1, q, cache_len + q]`` (a view), equal to ``step_attention_mask``."""
-        q, keys = n_clean + n_masks, cache_len + n_clean + n_masks
-        buffer = self._buffers.get((n_clean, n_masks))
-        if buffer is None or buffer.shape[-1] < keys:
-            width = max(2 * keys, self.min_keys)
-            buffer = step_attention_mask(width - q, n_clean, n_masks, self.dtype, self.device)  # [1, 1, q, width]
-            self._buffers[(n_clean, n_masks)] = buffer
-        return buffer[..., buffer.shape[-1] - keys :]
+        """Additive mask ``[1, 1, q, cache_len + q]``, equal to ``step_attention_mask``."""
+        block = self._blocks.get((n_clean, n_masks))
+        if block is None:
+            block = step_attention_mask(0, n_clean, n_masks, self.dtype, self.device)  # [1, 1, q, q]
+            self._blocks[(n_clean, n_masks)] = block
+        return torch.nn.functional.pad(block, (cache_len, 0))  # [1, 1, q, cache_len + q]
 
 
 def step_forward(
