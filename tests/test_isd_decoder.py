@@ -216,6 +216,17 @@ def test_step_masks_equal_the_predicate_at_every_cache_length(stride):
             assert torch.equal(view, expected), (cache_len, n_clean)
             assert view.is_contiguous()
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_greedy_on_cuda_is_token_identical_to_ar_greedy():
+    """The step masks reach SDPA's CUDA kernels at every cache length (a misaligned mask crashed the
+    memory-efficient kernel once), and ISD still reproduces AR greedy there (fp32: no bf16 ties)."""
+    model = parrot_lm("qwen3").to("cuda")
+    for stride in (2, 4):
+        for prompt in PROMPTS:
+            result = isd(stride=stride, max_new_tokens=40).decode_one(model, prompt, NO_EOS, 0)
+            assert result.tokens == ar_greedy(model, prompt, 40), (stride, prompt)
+
 # ----------------------------------------------------------------------------------------------
 # Exact bookkeeping with a fake "counting" LM whose draft quality is set by construction
 # ----------------------------------------------------------------------------------------------
