@@ -15,6 +15,8 @@ Two tables, one run, bf16, batch 1:
    against AR's says why it falls short. On CUDA each row then decodes ``--profile-samples``
    problems again under the profiler: GPU kernels and GPU busy time per forward, against the wall
    time per forward, say whether a step waits on the GPU, on kernel launches or on host work.
+   ``--sdpa-backends`` restricts SDPA's kernels (e.g. without cuDNN, whose attention builds an
+   execution plan per new shape, and a decode step's key length is new at every step).
 
 3. ``graphs`` (the launch overhead, tried away): AR greedy steps of the base checkpoint with a
    ``StaticCache``, run eagerly and as one ``torch.compile(mode="reduce-overhead")`` step (CUDA
@@ -48,6 +50,7 @@ from inference.evaluate import evaluate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 QUERY_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
 
 
 def parse_args() -> argparse.Namespace:
@@ -64,6 +67,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--profile-samples", type=int, default=3,
                    help="problems decoded under the profiler per decoding row (kernels and GPU time per forward)")
+    p.add_argument("--sdpa-backends", nargs="+", choices=SDPA_BACKENDS, default=None,
+                   help="decoding table: restrict SDPA to these kernels (default: torch's own choice)")
     p.add_argument("--graph-prompts", type=int, default=20)
     p.add_argument("--graph-steps", type=int, default=64)
     p.add_argument("--device", default="cuda", help="cuda (what the tables are for); cpu runs the same code")
@@ -263,7 +268,8 @@ def main() -> None:
     checkpoints = f" --base {args.base} --idlm {args.idlm} --risd {args.risd} --jacobi {args.jacobi}"
     command = lambda table: (  # noqa: E731
         f"python -m benchmarks.gpu_decoding --tables {table} "
-        + {"decoding": f"--num-samples {args.num_samples} --profile-samples {args.profile_samples}{checkpoints}",
+        + {"decoding": f"--num-samples {args.num_samples} --profile-samples {args.profile_samples}{checkpoints}"
+                       + (f" --sdpa-backends {' '.join(args.sdpa_backends)}" if args.sdpa_backends else ""),
            "latency": f"--cache {args.cache}",
            "graphs": f"--graph-prompts {args.graph_prompts} --graph-steps {args.graph_steps} --base {args.base}"}[table])
     if "latency" in args.tables:
@@ -307,7 +313,21 @@ def decoding_section(args, out: Path, command: str, device: str) -> None:
         write(out.with_name(out.name + "_decoding"), command, device, md, table)
         return md
 
-    print(write_rows(decoding_table(args, write_rows)), flush=True)
+    with sdpa_backends(args.sdpa_backends):
+        print(write_rows(decoding_table(args, write_rows)), flush=True)
+
+
+def sdpa_backends(names: list[str] | None):
+    """``torch.nn.attention.sdpa_kernel`` restricted to ``names``, or no restriction for ``None``."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if names is None:
+        return contextlib.nullcontext()
+    by_name = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+               "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    return sdpa_kernel([by_name[n] for n in names])
 
 
 if __name__ == "__main__":
