@@ -32,6 +32,7 @@ Writes ``benchmarks/results/gpu_decoding_{latency,decoding,graphs}.{md,json}``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -319,8 +320,6 @@ def decoding_section(args, out: Path, command: str, device: str) -> None:
 
 def sdpa_backends(names: list[str] | None):
     """``torch.nn.attention.sdpa_kernel`` restricted to ``names``, or no restriction for ``None``."""
-    import contextlib
-
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if names is None:

@@ -202,7 +202,6 @@ def test_step_forward_with_cache_and_4d_mask_equals_training_layout(arch, attn):
     torch.testing.assert_close(step[stride:], xt, atol=1e-5, rtol=1e-5)
 
 
-
 @pytest.mark.parametrize("stride", [2, 4])
 def test_step_masks_equal_the_predicate_at_every_cache_length(stride):
     """StepMasks evaluates the predicate once per step shape; every mask it hands out equals the
@@ -226,6 +225,7 @@ def test_greedy_on_cuda_is_token_identical_to_ar_greedy():
         for prompt in PROMPTS:
             result = isd(stride=stride, max_new_tokens=40).decode_one(model, prompt, NO_EOS, 0)
             assert result.tokens == ar_greedy(model, prompt, 40), (stride, prompt)
+
 
 # ----------------------------------------------------------------------------------------------
 # Exact bookkeeping with a fake "counting" LM whose draft quality is set by construction

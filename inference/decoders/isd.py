@@ -154,8 +154,8 @@ class StepMasks:
     The cached keys are clean tokens before every query, and the I-DLM predicate lets every query
     (clean or mask) see all of them. So the mask of a step after ``cache_len`` cached tokens is its
     ``[q, q]`` block over the step's own keys, evaluated once per (clean, masks) shape, padded on
-    the left with ``cache_len`` zero (visible) columns: one padding kernel per step instead of the
-    predicate's tens. ``tests/test_isd_decoder.py`` checks the result against
+    the left with ``cache_len`` zero (visible) columns: a fill and a copy per step instead of the
+    predicate's evaluation. ``tests/test_isd_decoder.py`` checks the result against
     :func:`step_attention_mask` at every cache length. (A view into one wide buffer would need no
     kernel at all, but its unaligned start crashed SDPA's memory-efficient CUDA kernel with a
     misaligned address on an H200.)
@@ -180,16 +180,14 @@ def step_forward(
     """One ISD forward over ``[clean..., n_masks x <|mask|>]`` after ``cache``; logits ``[q, V]``.
 
     The inputs take positions ``cache_len ..``; their K/V are appended to ``cache`` (the caller
-    crops it). ``masks``: the decode's :class:`StepMasks` (none: the mask is evaluated here).
+    crops it). ``masks``: the decode's :class:`StepMasks` (none: a fresh one for this step).
     """
     device = model_device(model)
     cache_len = cache.get_seq_length()
     ids = torch.tensor([list(clean) + [mask_id] * n_masks], device=device)  # [1, q]
     positions = torch.arange(cache_len, cache_len + ids.shape[1], device=device).unsqueeze(0)  # [1, q]
-    if masks is None:
-        mask = step_attention_mask(cache_len, len(clean), n_masks, model.dtype, device)  # [1, 1, q, cache_len + q]
-    else:
-        mask = masks.get(cache_len, len(clean), n_masks)  # [1, 1, q, cache_len + q]
+    masks = masks or StepMasks(model.dtype, device)
+    mask = masks.get(cache_len, len(clean), n_masks)  # [1, 1, q, cache_len + q]
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
     return out.logits[0]  # [q, V]
 
