@@ -13,9 +13,11 @@ GPU) and the attention modules' ``is_causal`` flags are switched off too, so no 
 causal. The export records ``attention``, ``attention_block_size``, ``logit_shift`` and the
 ``<|mask|>`` id for the decoders (``inference.decoders.mdm_*``).
 
-Decision (SPEC silent): block-causal training uses the single noisy stream, so the answer blocks
-to the left of a block are noised too, while semi-AR decoding sees them clean; SDAR trains a
-``[x_t | x_0]`` pair for that. The default experiment is bidirectional.
+Decision (SPEC silent): block-causal training on the single noisy stream noises the answer blocks
+to the left of a block too, while semi-AR decoding sees them clean. ``recipe.clean_context=true``
+trains SDAR / BD3-LM style on ``[x_0 | x_t]`` instead (``data_pipelines.mdm_batch``): every block
+learns from the clean blocks before it, at the cost of the answer's tokens twice per sample. The
+recipe default keeps the single stream (the SPEC's); ``experiment=mdm_default`` chooses on val.
 
 References: LLaDA arXiv:2502.09992; Dream 7B arXiv:2508.15487 (AR initialisation, logit shift,
 CART); FlashDLM arXiv:2505.21467 (the decoders it serves).
@@ -52,6 +54,8 @@ class MDMConfig(RecipeConfig):
     pad_answer_to: int | None = None
     # Probability that a sample is also masked from a random cut to its end (data_pipelines.mdm_batch).
     suffix_mask_prob: float = 0.0
+    # Block attention only: train on [x_0 | x_t] so each block sees clean blocks before it (SDAR).
+    clean_context: bool = False
 
 
 class MDMMethod(Method):
@@ -73,6 +77,9 @@ class MDMMethod(Method):
             raise ConfigError(f"config key 'recipe.cart_p' must be in (0, 1], got {cfg.cart_p}")
         if not 0 <= cfg.suffix_mask_prob <= 1:
             raise ConfigError(f"config key 'recipe.suffix_mask_prob' must be in [0, 1], got {cfg.suffix_mask_prob}")
+        if cfg.clean_context and cfg.attention != BLOCK:
+            raise ConfigError(f"config key 'recipe.clean_context' = true needs recipe.attention={BLOCK}, "
+                              f"got {cfg.attention!r}")
         if cfg.pad_answer_to is not None and cfg.pad_answer_to < 1:
             raise ConfigError(f"config key 'recipe.pad_answer_to' must be >= 1 or null, got {cfg.pad_answer_to}")
         self.mask_token_id: int | None = None
@@ -85,13 +92,17 @@ class MDMMethod(Method):
 
     def build_train_dataset(self, tokenized, data_cfg, model=None):
         self.pack_length = data_cfg.pack_length or data_cfg.max_length
-        longest = max(tokenized["length"])
+        prompts, lengths = tokenized["prompt_len"], tokenized["length"]
         if self.cfg.pad_answer_to is not None:
-            longest = max(p + self.cfg.pad_answer_to for p in tokenized["prompt_len"])
+            lengths = [p + self.cfg.pad_answer_to for p in prompts]
+        if self.cfg.clean_context:  # [x_0 | x_t]: the answer twice
+            lengths = [2 * n - p for n, p in zip(lengths, prompts)]
+        longest = max(lengths)
         if longest > self.pack_length:
             raise DataError(
-                f"an MDM sample of {longest} tokens (after answer padding) > data.pack_length={self.pack_length}; "
-                "raise data.pack_length"
+                f"an MDM sample of {longest} tokens (after answer padding"
+                f"{', both streams of recipe.clean_context' if self.cfg.clean_context else ''}) > "
+                f"data.pack_length={self.pack_length}; raise data.pack_length"
             )
         return tokenized
 
@@ -109,6 +120,7 @@ class MDMMethod(Method):
             cart_p=self.cfg.cart_p,
             pad_answer_to=self.cfg.pad_answer_to,
             suffix_mask_prob=self.cfg.suffix_mask_prob,
+            clean_context=self.cfg.clean_context,
         )
 
     def loss(self, model, batch):

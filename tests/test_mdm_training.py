@@ -16,6 +16,7 @@ from common.constants import IGNORE_INDEX
 from data_pipelines.mdm_batch import build_mdm_batch, cart_weights
 from losses.mdm import mdm_loss
 from masks.core import AttentionSpec, dense_additive_mask, dense_bool_mask, flex_block_mask
+from masks.idlm import X0, XT
 from masks.mdm import bidirectional_mask, block_causal_mask
 from methods.base import forward_logits
 
@@ -215,6 +216,60 @@ def test_eos_padding_of_answers():
         build(samples, pad_answer_to=1)
 
 
+def clean_context_parts(batch, r, sample_id):
+    """Slot indices of one sample's x_0 and x_t streams in row r (each in position order)."""
+    stream = batch["attention"].metadata["stream"][r]
+    mine = batch["sample_ids"][r] == sample_id
+    return (mine & (stream == X0)).nonzero().flatten(), (mine & (stream == XT)).nonzero().flatten()
+
+
+@pytest.mark.parametrize("weighting", ["linear", "cart"])
+def test_clean_context_batch_matches_brute_force_layout(weighting):
+    """[x_0 | x_t] per sample: x_0 = the clean sample, x_t = its noisy answer at the same positions;
+    each masked token is predicted exactly once, from its predecessor's x_t slot inside a block and
+    from its predecessor's x_0 slot when it opens a block; weights 1/t or CART over what the query sees."""
+    samples = random_samples(8, seed=6) + [{"input_ids": [4, EOS], "prompt_len": 2}]  # an empty answer
+    block = 3
+    batch = build(samples, attention="block", block_size=block, clean_context=True, weighting=weighting,
+                  pack_length=40, seed=3)
+    for r in range(batch["input_ids"].shape[0]):
+        for sample_id in batch["sample_ids"][r].unique().tolist():
+            if sample_id < 0:
+                continue
+            ids, p_len = samples[sample_id]["input_ids"], samples[sample_id]["prompt_len"]
+            n = len(ids)
+            clean, noisy = clean_context_parts(batch, r, sample_id)
+            assert batch["input_ids"][r, clean].tolist() == ids
+            assert batch["position_ids"][r, clean].tolist() == list(range(n))
+            assert batch["position_ids"][r, noisy].tolist() == list(range(p_len, n))
+            x_t = batch["input_ids"][r, noisy].tolist()
+            masked = [False] * p_len + [tok == MASK_ID for tok in x_t]
+            assert all(x_t[j - p_len] == ids[j] for j in range(p_len, n) if not masked[j])
+            assert not any(masked[: max(p_len, 1)])
+            blocks = [0 if p < p_len else 1 + (p - p_len) // block for p in range(n)]
+            t = float(batch["t"][sample_id])
+            want_labels = {(s, p): IGNORE_INDEX for s in ("x0", "xt") for p in range(n)}
+            want_weights = {key: 0.0 for key in want_labels}
+            for j in range(1, n):
+                if not masked[j]:
+                    continue
+                opens = blocks[j - 1] != blocks[j]
+                key = ("x0" if opens else "xt", j - 1)
+                sees = [m for m in range(n) if blocks[m] < blocks[j] or
+                        (not opens and blocks[m] == blocks[j] and not masked[m])]
+                want_labels[key] = ids[j]
+                want_weights[key] = 1.0 / t if weighting == "linear" else sum(
+                    0.5 * 0.3 * 0.7 ** (abs(j - m) - 1) for m in sees if m != j)
+            for stream, slots, first in (("x0", clean, 0), ("xt", noisy, p_len)):
+                for k, slot in enumerate(slots.tolist()):
+                    assert int(batch["labels"][r, slot]) == want_labels[(stream, first + k)]
+                    assert math.isclose(float(batch["weights"][r, slot]), want_weights[(stream, first + k)],
+                                        rel_tol=1e-5, abs_tol=1e-9)
+            assert int(batch["n_answer"][sample_id]) == n - max(p_len, 1)
+    with pytest.raises(ValueError, match="clean_context needs block-causal"):
+        build(samples, clean_context=True)
+
+
 # -- packed forward ----------------------------------------------------------------------------------
 
 
@@ -257,6 +312,44 @@ def test_packed_forward_equals_separate_forwards(impl, kind, block):
                 ref = model(input_ids=batch["input_ids"][r, idx][None], attention_mask=explicit_mask(allowed),
                             position_ids=torch.arange(n)[None]).logits[0]
             torch.testing.assert_close(logits[r, idx], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_clean_context_forward_equals_the_decoding_views(impl):
+    """One packed [x_0 | x_t] forward gives, at each x_t slot of block B, the logits of a forward over
+    what semi-AR decoding feeds for block B (the clean blocks before it, then the noisy block, under
+    the block-causal mask), and at each x_0 slot those of the block-causal forward of the clean sample."""
+    samples = random_samples(5, seed=7)
+    block = 3
+    model = tiny(impl)
+    batch = build(samples, attention="block", block_size=block, clean_context=True, pack_length=48, seed=1)
+    assert batch["input_ids"].shape[0] >= 2
+    with torch.no_grad():
+        logits = forward_logits(model, batch)  # [r, s, V]
+
+    def block_causal_forward(tokens, positions, blocks):
+        allowed = torch.tensor([[b_kv <= b_q for b_kv in blocks] for b_q in blocks])
+        with torch.no_grad():
+            return model(input_ids=torch.tensor([tokens]), attention_mask=explicit_mask(allowed),
+                         position_ids=torch.tensor([positions])).logits[0]
+
+    for r in range(batch["input_ids"].shape[0]):
+        for sample_id in batch["sample_ids"][r].unique().tolist():
+            if sample_id < 0:
+                continue
+            ids, p_len = samples[sample_id]["input_ids"], samples[sample_id]["prompt_len"]
+            blocks = [0 if p < p_len else 1 + (p - p_len) // block for p in range(len(ids))]
+            clean, noisy = clean_context_parts(batch, r, sample_id)
+            ref = block_causal_forward(ids, list(range(len(ids))), blocks)
+            torch.testing.assert_close(logits[r, clean], ref, atol=1e-5, rtol=1e-5)
+            x_t = batch["input_ids"][r, noisy].tolist()
+            for b in sorted(set(blocks[p_len:])):
+                start = blocks.index(b)
+                end = start + blocks.count(b)
+                tokens = ids[:start] + x_t[start - p_len:end - p_len]
+                ref = block_causal_forward(tokens, list(range(end)), blocks[:end])
+                torch.testing.assert_close(logits[r, noisy[start - p_len:end - p_len]], ref[start:end],
+                                           atol=1e-5, rtol=1e-5)
 
 
 def test_bidirectional_forward_is_not_causal():
@@ -334,13 +427,14 @@ def test_loss_without_targets_is_a_zero_in_the_graph():
 # -- recipe through the trainer ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("attention", ["bidirectional", "block"])
-def test_recipe_trains_and_export_records_the_conversion(tmp_path, attention):
+@pytest.mark.parametrize("attention,clean_context", [("bidirectional", False), ("block", False), ("block", True)])
+def test_recipe_trains_and_export_records_the_conversion(tmp_path, attention, clean_context):
     from common.metadata import CheckpointMetadata
     from tests.train_utils import run_in_process
 
     result = run_in_process([f"output_dir={tmp_path}", "recipe=mdm", "model=tiny_qwen3", "trainer.max_steps=3",
-                             f"recipe.attention={attention}", "recipe.block_size=8"])
+                             f"recipe.attention={attention}", "recipe.block_size=8",
+                             f"recipe.clean_context={str(clean_context).lower()}"])
     assert result.status == "finished"
     meta = CheckpointMetadata.read(result.export_dir)
     assert meta.recipe == "mdm" and meta.attention == attention and meta.logit_shift is True
