@@ -8,6 +8,11 @@ diffusion training (block-causal attention, no logit shift)"; this is the offici
 
 Pair it with *unshifted* labels (each MASK predicts its own token): an x_0 query sees the clean
 tokens after it inside its own block, so a next-token target on x_0 would be visible to it.
+
+The MDM recipe's clean-context training (``data_pipelines.mdm_batch``, ``recipe.clean_context``)
+uses the same predicate with answer-based block ids (``masks.mdm.answer_block_ids``: prompt = block
+0) and a logit shift; there an x_0 query carries a next-token target only at the last position of
+a block, where the target opens the next block and so is not visible to it.
 """
 
 from __future__ import annotations
