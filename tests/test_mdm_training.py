@@ -228,7 +228,8 @@ def test_clean_context_batch_matches_brute_force_layout(weighting):
     """[x_0 | x_t] per sample: x_0 = the clean sample, x_t = its noisy answer at the same positions;
     each masked token is predicted exactly once, from its predecessor's x_t slot inside a block and
     from its predecessor's x_0 slot when it opens a block; weights 1/t or CART over what the query sees."""
-    samples = random_samples(8, seed=6) + [{"input_ids": [4, EOS], "prompt_len": 2}]  # an empty answer
+    samples = random_samples(8, seed=6) + [{"input_ids": [4, EOS], "prompt_len": 2},  # an empty answer
+                                           {"input_ids": [5, 6, 7, 8, EOS], "prompt_len": 0}]  # no prompt
     block = 3
     batch = build(samples, attention="block", block_size=block, clean_context=True, weighting=weighting,
                   pack_length=40, seed=3)
