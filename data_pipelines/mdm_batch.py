@@ -239,7 +239,7 @@ def _sample_slots(
         labels, weights = shifted(torch.ones(length, dtype=torch.bool))
         return {"input_ids": noisy, "position_ids": positions, "labels": labels, "weights": weights,
                 "sample_ids": torch.full((length,), index, dtype=torch.long),
-                "stream": torch.full((length,), X0, dtype=torch.long), "n_answer": maskable.sum()}
+                "stream": torch.full((length,), XT, dtype=torch.long), "n_answer": maskable.sum()}  # unused
 
     clean_labels, clean_weights = shifted(opens_block)  # [l] each, x_0 queries
     noisy_labels, noisy_weights = shifted(~opens_block)  # [l] each, x_t queries (answer part kept)

@@ -441,3 +441,12 @@ def test_recipe_trains_and_export_records_the_conversion(tmp_path, attention, cl
     assert meta.recipe == "mdm" and meta.attention == attention and meta.logit_shift is True
     assert meta.mask_token_id is not None
     assert meta.attention_block_size == (8 if attention == "block" else None)
+
+
+def test_clean_context_without_block_attention_is_a_named_config_error(tmp_path):
+    from common.errors import ConfigError
+    from tests.train_utils import run_in_process
+
+    with pytest.raises(ConfigError, match="recipe.clean_context"):
+        run_in_process([f"output_dir={tmp_path}", "recipe=mdm", "model=tiny_qwen3", "trainer.max_steps=1",
+                        "recipe.attention=bidirectional", "recipe.clean_context=true"])
