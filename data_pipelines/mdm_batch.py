@@ -129,7 +129,8 @@ def build_mdm_batch(
         token_lists.append(ids)
         prompt_lens.append(p_len)
     # A clean-context sample is its L clean tokens plus its L - P noisy answer tokens.
-    lengths = [ids.numel() + (ids.numel() - p_len if clean_context else 0) for ids, p_len in zip(token_lists, prompt_lens)]
+    lengths = [ids.numel() + (ids.numel() - p_len if clean_context else 0)
+               for ids, p_len in zip(token_lists, prompt_lens)]
     rows = greedy_pack(lengths, pack_length)
 
     t = eps + (1 - eps) * torch.rand(len(samples), generator=generator)  # [n]
@@ -251,6 +252,7 @@ def _sample_slots(
         "labels": torch.cat([clean_labels, noisy_labels[answer]]),
         "weights": torch.cat([clean_weights, noisy_weights[answer]]),
         "sample_ids": torch.full((length + n_noisy,), index, dtype=torch.long),
-        "stream": torch.cat([torch.full((length,), X0, dtype=torch.long), torch.full((n_noisy,), XT, dtype=torch.long)]),
+        "stream": torch.cat([torch.full((length,), X0, dtype=torch.long),
+                             torch.full((n_noisy,), XT, dtype=torch.long)]),
         "n_answer": maskable.sum(),
     }
