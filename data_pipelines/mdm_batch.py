@@ -144,7 +144,8 @@ def build_mdm_batch(
                                            blocks if clean_context else None, generator)
         n_answer.append(int(parts_by_sample[i].pop("n_answer")))
 
-    fields = ("input_ids", "position_ids", "labels", "weights", "sample_ids", "segment_ids", "block_ids", "stream")
+    fields = ("input_ids", "position_ids", "labels", "weights", "sample_ids", "segment_ids", "block_ids")
+    fields += ("stream",) if clean_context else ()
     filled = []
     for row in rows:
         parts = [parts_by_sample[i] for i in row]
@@ -153,19 +154,21 @@ def build_mdm_batch(
             part["block_ids"] = answer_block_ids(part["position_ids"], prompt_lens[row[seg]], block_size or 1)
         filled.append({k: torch.cat([p[k] for p in parts]) for k in fields})
     long_pads = {"input_ids": pad_token_id, "position_ids": 0, "labels": IGNORE_INDEX, "sample_ids": PAD_SEGMENT,
-                 "segment_ids": PAD_SEGMENT, "block_ids": 0, "stream": X0}
+                 "segment_ids": PAD_SEGMENT, "block_ids": 0}
+    if clean_context:
+        long_pads["stream"] = X0
     batch = pad_rows(filled, long_pads, pack_length)  # each [r, s] long
     weights = torch.zeros(len(rows), pack_length)  # [r, s]
     for r, row in enumerate(filled):
         weights[r, : row["weights"].numel()] = row["weights"]
     batch["weights"] = weights
 
-    segment_ids, block_ids, stream = batch.pop("segment_ids"), batch.pop("block_ids"), batch.pop("stream")
+    segment_ids, block_ids = batch.pop("segment_ids"), batch.pop("block_ids")
     if attention == BIDIRECTIONAL:
         batch["attention"] = AttentionSpec(bidirectional_mask, {"segment_ids": segment_ids})
     elif clean_context:
-        batch["attention"] = AttentionSpec(block_diffusion_mask,
-                                           {"segment_ids": segment_ids, "stream": stream, "block_ids": block_ids})
+        metadata = {"segment_ids": segment_ids, "stream": batch.pop("stream"), "block_ids": block_ids}
+        batch["attention"] = AttentionSpec(block_diffusion_mask, metadata)
     else:
         batch["attention"] = AttentionSpec(block_causal_mask, {"segment_ids": segment_ids, "block_ids": block_ids})
     batch["n_answer"] = torch.tensor(n_answer, dtype=torch.long)  # [n]
@@ -192,7 +195,8 @@ def _pad_answer(index: int, ids: torch.Tensor, prompt_len: int, answer_len: int,
     have = ids.numel() - prompt_len
     if have > answer_len:
         raise ValueError(
-            f"sample {index}: answer of {have} tokens > recipe.pad_answer_to={answer_len}; raise it or truncate upstream"
+            f"sample {index}: answer of {have} tokens > recipe.pad_answer_to={answer_len}; "
+            "raise it or truncate upstream"
         )
     return torch.cat([ids, torch.full((answer_len - have,), eos_token_id, dtype=torch.long)])
 
@@ -239,8 +243,7 @@ def _sample_slots(
     if clean_blocks is None:
         labels, weights = shifted(torch.ones(length, dtype=torch.bool))
         return {"input_ids": noisy, "position_ids": positions, "labels": labels, "weights": weights,
-                "sample_ids": torch.full((length,), index, dtype=torch.long),
-                "stream": torch.full((length,), XT, dtype=torch.long), "n_answer": maskable.sum()}  # unused
+                "sample_ids": torch.full((length,), index, dtype=torch.long), "n_answer": maskable.sum()}
 
     clean_labels, clean_weights = shifted(opens_block)  # [l] each, x_0 queries
     noisy_labels, noisy_weights = shifted(~opens_block)  # [l] each, x_t queries (answer part kept)

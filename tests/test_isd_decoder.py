@@ -209,11 +209,11 @@ def test_step_masks_equal_the_predicate_at_every_cache_length(stride):
     masks = StepMasks(torch.float32, "cpu")
     for cache_len in range(0, 70):
         for n_clean in (1, stride):  # propose and verify steps
-            view = masks.get(cache_len, n_clean, stride - 1)
+            mask = masks.get(cache_len, n_clean, stride - 1)
             expected = step_attention_mask(cache_len, n_clean, stride - 1, torch.float32, "cpu")
-            assert view.shape == expected.shape, (cache_len, n_clean)
-            assert torch.equal(view, expected), (cache_len, n_clean)
-            assert view.is_contiguous()
+            assert mask.shape == expected.shape, (cache_len, n_clean)
+            assert torch.equal(mask, expected), (cache_len, n_clean)
+            assert mask.is_contiguous()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
