@@ -2,7 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+import torch
 from transformers import DynamicCache
+
+
+@contextlib.contextmanager
+def cached_step_attention() -> Iterator[None]:
+    """SDPA without cuDNN attention, for loops of forwards over a growing KV cache; restored on exit.
+
+    Every step of a cached decode brings a key length (and, in a parallel decoder, a query count)
+    the process may not have seen yet, and cuDNN's attention builds an execution plan for each new
+    shape on the host. Torch picks cuDNN for masked steps on Hopper, and
+    ``benchmarks/results/gpu_decoding_steps.md`` (H200) measured a step at 10-14x its cost when its
+    shape was new than when it repeated, and no such gap with cuDNN off. The kernels left (flash,
+    memory-efficient, math) have no per-shape set-up. Other kernel restrictions in force stay as
+    they are; on CPU, where there is no cuDNN attention, this changes nothing.
+    """
+    enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(enabled)
 
 
 def crop_cache(cache: DynamicCache, length: int) -> None:

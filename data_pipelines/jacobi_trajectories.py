@@ -61,7 +61,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from common.kv_cache import crop_cache
+from common.kv_cache import cached_step_attention, crop_cache
 
 META_FILE = "meta.json"
 FORMAT_VERSION = 1
@@ -302,7 +302,8 @@ def collect_trajectories(
             if path.is_file():
                 continue
             lo, hi = shard * settings.shard_size, min((shard + 1) * settings.shard_size, len(prompts))
-            rows = [collect_one(model, i, prompts[i], settings) for i in range(lo, hi)]
+            with cached_step_attention():  # no cuDNN attention: a cached step's shape is new at every step
+                rows = [collect_one(model, i, prompts[i], settings) for i in range(lo, hi)]
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             datasets.Dataset.from_list(rows, features=FEATURES).to_parquet(str(tmp))
             os.replace(tmp, path)

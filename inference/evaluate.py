@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from common.distributed import DistInfo, current
 from common.errors import DataError
+from common.kv_cache import cached_step_attention
 from common.metadata import CheckpointMetadata
 from data_pipelines.tokenize import format_prompt_ids
 from inference.checkpoint import forbid_output_token
@@ -146,12 +147,15 @@ def run_decoder(
     progress: bool,
     desc: str,
 ) -> list:
-    """Decode ``prompts`` in chunks of ``decoder.cfg.batch_size``; one result per prompt."""
+    """Decode ``prompts`` in chunks of ``decoder.cfg.batch_size``; one result per prompt. Without
+    cuDNN attention (:func:`common.kv_cache.cached_step_attention`: a cached step's shape is new at
+    every step)."""
     size = decoder.cfg.batch_size
     results = []
-    for start in tqdm(range(0, len(prompts), size), desc=desc, disable=not progress):
-        seeds = [sample_seed(decoder.cfg.seed, i) for i in indices[start : start + size]]
-        results += decoder.decode(model, prompts[start : start + size], eos, seeds)
+    with cached_step_attention():
+        for start in tqdm(range(0, len(prompts), size), desc=desc, disable=not progress):
+            seeds = [sample_seed(decoder.cfg.seed, i) for i in indices[start : start + size]]
+            results += decoder.decode(model, prompts[start : start + size], eos, seeds)
     return results
 
 
