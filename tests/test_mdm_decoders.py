@@ -222,18 +222,41 @@ def test_cached_decoders_equal_reference_on_a_block_causal_model(prompt, case):
     assert result.tokens == tokens and result.forwards == forwards
 
 
+def fed_lengths(cfg: dict, model, prompt) -> list[int]:
+    """Positions fed by each forward of a decode (counted at the embedding)."""
+    fed: list[int] = []
+    handle = model.model.embed_tokens.register_forward_hook(lambda m, a, o: fed.append(a[0].shape[1]))
+    try:
+        decode(cfg, model, prompt)
+    finally:
+        handle.remove()
+    return fed
+
+
 def test_cached_steps_feed_fewer_positions():
     """The prefix cache and FreeCache are used: after each block's first (full) forward, fewer
-    positions than the whole sequence are fed (counted at the embedding)."""
+    positions than that forward are fed."""
     model = mdm_model("block", block=B)
     for cfg in CACHED:
-        fed: list[int] = []
-        handle = model.model.embed_tokens.register_forward_hook(lambda m, a, o, fed=fed: fed.append(a[0].shape[1]))
-        try:
-            decode({**cfg[0], "max_new_tokens": L}, model, PROMPTS[2])
-        finally:
-            handle.remove()
-        assert fed[0] == len(PROMPTS[2]) + L and min(fed) < fed[0], (cfg[0], fed)
+        fed = fed_lengths({**cfg[0], "max_new_tokens": L}, model, PROMPTS[2])
+        assert fed[0] == len(PROMPTS[2]) + B and min(fed) < fed[0], (cfg[0], fed)
+
+
+@pytest.mark.parametrize("decode_block,attn_block", [(4, 4), (2, 4), (6, 4), (4, 2)])
+def test_block_attention_windows_end_at_the_attention_block(decode_block, attn_block):
+    """With block attention no forward feeds positions right of the attention block that holds the
+    current decoding block's last position (they cannot reach it), and the tokens still equal the
+    full-sequence reference, for decoding blocks that do and do not line up with attention blocks."""
+    model = mdm_model("block", block=attn_block)
+    prompt, steps = PROMPTS[1], 2
+    cfg = {"name": "mdm_lowconf", "max_new_tokens": L, "block_size": decode_block, "steps_per_block": steps}
+    fed = fed_lengths(cfg, model, prompt)
+    p_len = len(prompt)
+    ends = [p_len - (-((b + 1) * decode_block) // attn_block) * attn_block for b in range(L // decode_block)]
+    assert fed == [min(end, p_len + L) for end in ends for _ in range(steps)]  # no cache: each window from 0
+    result, _ = decode(cfg, model, prompt)
+    tokens, forwards = reference_decode(model, prompt, L, decode_block, lowconf_rule(steps), "block", attn_block)
+    assert result.tokens == tokens and result.forwards == forwards
 
 
 @pytest.mark.parametrize("case", range(len(CACHED)))

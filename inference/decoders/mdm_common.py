@@ -12,9 +12,13 @@ bidirectional or block, ``logit_shift`` true, a ``mask_token_id``); its attentio
 attention modules' ``is_causal`` flags are off for the run (``prepare``). With the logit shift the
 token at position j is read from the output at j - 1.
 
-**Forwards.** One step = one forward over ``x[c:]`` (positions c .. end) after a KV cache holding
-exactly positions ``0 .. c-1`` (``c = 0``: no cache, the whole sequence); its outputs at
-``s-1 .. e-2`` give the current block ``[s, e)``. Cache modes:
+**Forwards.** One step = one forward over ``x[c:w]`` after a KV cache holding exactly positions
+``0 .. c-1`` (``c = 0``: no cache); its outputs at ``s-1 .. e-2`` give the current block ``[s, e)``.
+The window ends at ``w`` = the sequence end with bidirectional attention, and at the end of the
+attention block holding ``e - 1`` with block attention: no position right of it can reach the
+current block there, so feeding it would change no logit and cost compute (every mode, the
+baseline's full recompute too; "everything right of it" below then means nothing).
+Cache modes:
 
 * ``none`` (LLaDA): c = 0 every step, full recompute;
 * ``prefix`` (Fast-dLLM): the first step of each block is a full forward (c = 0) that refreshes
@@ -323,23 +327,34 @@ class BlockRun:
             return s - self.block - 1  # re-feed the finished block (its final tokens) to refresh it
         return s - 1
 
+    def window_end(self, e: int) -> int:
+        """End of a step's window for the block ending at ``e`` (module docstring): the sequence end,
+        or with block attention the end of the attention block holding position ``e - 1``."""
+        n = self.x.numel()
+        if self.info.attention != BLOCK:
+            return n
+        size = self.info.attention_block_size
+        return min(n, self.prompt_len + -(-(e - self.prompt_len) // size) * size)
+
     def dlm_step(self, b: int, step: int) -> torch.Tensor:
         """One DLM forward for block b; logits ``[B, V]`` of the block's positions."""
         self.current = b
         s, e = self.span(b)
         c = self.window_start(b, step)
-        n = self.x.numel()
+        n = self.window_end(e)
         use_cache = self.mode != NONE
         if use_cache:
             if c == 0:
                 self.cache = DynamicCache(config=self.model.config)
             crop_cache(self.cache, c)
             assert self.cache.get_seq_length() == c, (self.cache.get_seq_length(), c)
-        fed = self.x[c:].clone()  # [n - c]
+        fed = self.x[c:n].clone()  # [n - c]
         out = self.model(
             input_ids=fed[None],
             position_ids=torch.arange(c, n, device=self.x.device)[None],
-            attention_mask=self.full_mask[:, :, c:, :],  # [1, 1, n - c, n]: query i is key c + i
+            # [1, 1, n - c, n]: query i is key c + i. A copy, not a view: a view's unaligned start crashed
+            # SDPA's memory-efficient CUDA kernel once (inference.decoders.isd.StepMasks)
+            attention_mask=self.full_mask[:, :, c:n, :n].contiguous(),
             past_key_values=self.cache if use_cache else None,
             use_cache=use_cache,
         )
