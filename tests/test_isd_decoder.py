@@ -216,6 +216,7 @@ def test_step_masks_equal_the_predicate_at_every_cache_length(stride):
             assert mask.is_contiguous()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_greedy_on_cuda_is_token_identical_to_ar_greedy():
     """The step masks reach SDPA's CUDA kernels at every cache length (a misaligned mask crashed the
