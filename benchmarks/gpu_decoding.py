@@ -18,7 +18,18 @@ Two tables, one run, bf16, batch 1:
    ``--sdpa-backends`` restricts SDPA's kernels (e.g. without cuDNN, whose attention builds an
    execution plan per new shape, and a decode step's key length is new at every step).
 
-3. ``graphs`` (the launch overhead, tried away): AR greedy steps of the base checkpoint with a
+3. ``steps`` (where a parallel step's wall time goes): the base checkpoint's architecture with
+   random weights runs the decoders' step shapes -- an AR step (q = 1), ISD's propose and verify
+   steps (q = N and 2N-1, with the decoder's own :class:`StepMasks` mask) and a Jacobi step
+   (q = n, transformers' causal mask over the cache) -- each step a forward, the argmax read on the
+   host and a cache crop, as in the decoders. Each runs with the key length growing from step to
+   step (as in decoding) and held fixed (the cache cropped back), under each SDPA kernel choice
+   (``STEP_BACKENDS``), each choice in a fresh process. A growing key length that costs far more
+   than a fixed one points at per-shape work on the host (an execution plan built for every new
+   shape); the top host operators of a growing ISD step per choice are saved beside the table.
+   Two decoder loops (AR greedy, Jacobi) of the base then run through ``evaluate``, as the
+   framework runs them (cuDNN attention off) and with that switch bypassed.
+4. ``graphs`` (the launch overhead, tried away): AR greedy steps of the base checkpoint with a
    ``StaticCache``, run eagerly and as one ``torch.compile(mode="reduce-overhead")`` step (CUDA
    graphs: the step's kernels are replayed without Python or per-kernel launches), against the
    eager ``DynamicCache`` step the decoders run. ``--graph-prompts`` random prompts of 48 tokens,
@@ -26,7 +37,7 @@ Two tables, one run, bf16, batch 1:
    one untimed prompt (compilation and graph capture); the tokens of each variant are compared
    with the eager ``DynamicCache`` ones.
 
-Writes ``benchmarks/results/gpu_decoding_{latency,decoding,graphs}.{md,json}``.
+Writes ``benchmarks/results/gpu_decoding_{latency,decoding,steps,graphs}.{md,json}``.
 """
 
 from __future__ import annotations
@@ -45,19 +56,31 @@ from benchmarks.common import held_out_rows, identical
 from benchmarks.mask_backends import VOCAB, gpu_busy_ms, qwen25_05b_shape
 from inference.checkpoint import load_checkpoint
 from inference.decoders.base import synchronize
-from inference.decoders.isd import resolve_stride
+from common.kv_cache import crop_cache
+from inference.decoders.isd import StepMasks, resolve_stride
 from inference.decoders.jacobi import resolve_block_size
 from inference.evaluate import evaluate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 QUERY_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
+# steps table: label -> (query tokens, ISD step mask (clean, masks) or None for transformers' causal mask,
+# cache growth per step: the tokens a step keeps)
+STEP_KINDS = {
+    "AR (q=1)": (1, None, 1),
+    "ISD propose (q=4, step mask)": (4, (1, 3), 1),
+    "ISD verify (q=7, step mask)": (7, (4, 3), 3),
+    "Jacobi (q=16, causal)": (16, None, 3),
+    "Jacobi (q=32, causal)": (32, None, 3),
+}
+STEP_BACKENDS = {"torch's choice": None, "no cuDNN": ["flash", "efficient", "math"], "efficient only": ["efficient"],
+                 "cuDNN first": ["cudnn", "flash", "efficient", "math"]}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    p.add_argument("--tables", nargs="+", choices=("latency", "decoding", "graphs"),
-                   default=["latency", "decoding", "graphs"])
+    p.add_argument("--tables", nargs="+", choices=("latency", "decoding", "steps", "graphs"),
+                   default=["latency", "decoding", "steps", "graphs"])
     p.add_argument("--base", help="AR base export (HF dir)")
     p.add_argument("--idlm", help="I-DLM export (recipe=idlm)")
     p.add_argument("--risd", help="gated-LoRA export (recipe=idlm_lora)")
@@ -70,16 +93,17 @@ def parse_args() -> argparse.Namespace:
                    help="problems decoded under the profiler per decoding row (kernels and GPU time per forward)")
     p.add_argument("--sdpa-backends", nargs="+", choices=SDPA_BACKENDS, default=None,
                    help="decoding table: restrict SDPA to these kernels (default: torch's own choice)")
+    p.add_argument("--steps", type=int, default=64, help="timed steps per row of the steps table")
     p.add_argument("--graph-prompts", type=int, default=20)
     p.add_argument("--graph-steps", type=int, default=64)
     p.add_argument("--device", default="cuda", help="cuda (what the tables are for); cpu runs the same code")
     p.add_argument("--out", default=str(RESULTS / "gpu_decoding"))
     args = p.parse_args()
     missing = [k for k in ("base", "idlm", "risd", "jacobi") if "decoding" in args.tables and not getattr(args, k)]
-    if "graphs" in args.tables and not args.base and "base" not in missing:
+    if ("graphs" in args.tables or "steps" in args.tables) and not args.base and "base" not in missing:
         missing.append("base")
     if missing:
-        p.error("the decoding and graphs tables need " + ", ".join(f"--{k}" for k in missing))
+        p.error("the decoding, steps and graphs tables need " + ", ".join(f"--{k}" for k in missing))
     return args
 
 
@@ -196,6 +220,103 @@ def profile_decoder(model, tok, rows, decoder: dict) -> dict:
     return {"kernels_per_forward": kernels / forwards, "gpu_ms_per_forward": gpu_busy_ms(events) / forwards}
 
 
+def steps_table(args) -> tuple[list[dict], str]:
+    """ms per decode step of each ``STEP_KINDS`` shape, key length growing and fixed, per ``STEP_BACKENDS``,
+    and ms per forward of two decoder loops; the top host operators of a growing ISD verify step per choice.
+
+    Each SDPA choice and each decoder loop runs in a fresh process: cuDNN caches its plans per process
+    and shape, so a shape planned in one row would come free in the next.
+    """
+    import multiprocessing
+
+    spawn = multiprocessing.get_context("spawn")
+
+    def fresh(fn, *fn_args):
+        with spawn.Pool(1) as pool:
+            return pool.apply(fn, fn_args)
+
+    rows, profiles = [], []
+    for label, names in STEP_BACKENDS.items():
+        set_rows, profile = fresh(step_rows, args.base, args.device, args.steps, label, names)
+        rows += set_rows
+        profiles.append(f"SDPA {label}: ISD verify (q=7), key length growing, 16 steps\n{profile}")
+    for label, framework in LOOP_VARIANTS.items():
+        rows += fresh(decoder_loop_rows, args.base, args.device, args.max_new_tokens, label, framework)
+    return rows, "\n\n".join(profiles)
+
+
+def step_rows(base: str, device: str, steps: int, label: str, names: list[str] | None) -> tuple[list[dict], str]:
+    """One ``STEP_BACKENDS`` choice (in its own process): every ``STEP_KINDS`` row, and a profile."""
+    model, _ = load_checkpoint(base, device=device, dtype="bfloat16")
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+
+    def run(kind: str, growing: bool, steps: int, prompt_len: int) -> float:
+        """ms per step after a random prompt of ``prompt_len`` (distinct per call: no shape repeats)."""
+        q, isd_shape, growth = STEP_KINDS[kind]
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.randint(0, vocab, (1, prompt_len), generator=g).to(device), past_key_values=cache,
+              use_cache=True)
+        masks = StepMasks(model.dtype, device)
+        synchronize(model.device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            cache_len = cache.get_seq_length()
+            ids = torch.randint(0, vocab, (1, q), generator=g).to(device)  # [1, q]
+            positions = torch.arange(cache_len, cache_len + q, device=device).unsqueeze(0)  # [1, q]
+            mask = masks.get(cache_len, *isd_shape) if isd_shape else None  # [1, 1, q, cache_len + q]
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                           use_cache=True).logits
+            logits[0].argmax(-1).tolist()  # the decoders read every step's argmax on the host
+            crop_cache(cache, cache_len + (growth if growing else 0))
+        synchronize(model.device)
+        return (time.perf_counter() - start) / steps * 1e3
+
+    rows = []
+    with torch.no_grad(), sdpa_backends(names):
+        for kind in STEP_KINDS:
+            row = {"step": kind, "sdpa": label}
+            try:
+                run(kind, True, 4, 40)  # warm-up, on key lengths no timed step has
+                row["growing_ms"] = run(kind, True, steps, 64)
+                row["fixed_ms"] = run(kind, False, steps, 48)
+            except RuntimeError as err:  # a kernel choice that cannot run this step shape
+                row["error"] = str(err).splitlines()[0][:120]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        try:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                run("ISD verify (q=7, step mask)", True, 16, 400)
+            profile = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+        except RuntimeError as err:
+            profile = f"no kernel: {str(err).splitlines()[0][:120]}"
+    return rows, profile
+
+
+# decoder loops of the steps table: label -> whether ``evaluate``'s own kernel choice (cuDNN off) stays
+LOOP_VARIANTS = {"torch's choice (the framework's cuDNN switch bypassed)": False,
+                 "the framework (evaluate: cuDNN attention off)": True}
+
+
+def decoder_loop_rows(base: str, device: str, max_new_tokens: int, label: str, framework: bool) -> list[dict]:
+    """ms per forward of AR greedy and Jacobi (n=16) decoding 8 held-out problems with the base (in its own process)."""
+    import inference.evaluate
+
+    if not framework:
+        inference.evaluate.cached_step_attention = contextlib.nullcontext
+    model, tok = load_checkpoint(base, device=device, dtype="bfloat16")
+    rows = []
+    for name, decoder in (("AR greedy decoder", {"name": "ar"}),
+                          ("Jacobi decoder (n=16)", {"name": "jacobi", "block_size": 16})):
+        records = evaluate(model, tok, held_out_rows(8), {**decoder, "max_new_tokens": max_new_tokens, "batch_size": 1},
+                           agreement=False, shard=False).records
+        rows.append({"step": name, "sdpa": label,
+                     "decoder_ms": sum(r["wall_time_s"] for r in records) / sum(r["forwards"] for r in records) * 1e3})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def graphs_table(args) -> list[dict]:
     """Per-token time of AR greedy steps: eager DynamicCache, eager StaticCache, compiled StaticCache."""
     from transformers import StaticCache
@@ -272,11 +393,14 @@ def main() -> None:
         + {"decoding": f"--num-samples {args.num_samples} --profile-samples {args.profile_samples}{checkpoints}"
                        + (f" --sdpa-backends {' '.join(args.sdpa_backends)}" if args.sdpa_backends else ""),
            "latency": f"--cache {args.cache}",
+           "steps": f"--steps {args.steps} --base {args.base}",
            "graphs": f"--graph-prompts {args.graph_prompts} --graph-steps {args.graph_steps} --base {args.base}"}[table])
     if "latency" in args.tables:
         latency_section(args, out, command("latency"), device)
     if "decoding" in args.tables:
         decoding_section(args, out, command("decoding"), device)
+    if "steps" in args.tables:
+        steps_section(args, out, command("steps"), device)
     if "graphs" in args.tables:
         rows = graphs_table(args)
         md = ("| AR greedy step (base checkpoint) | ms / token | speed-up | tokens equal to eager DynamicCache |\n"
@@ -295,6 +419,27 @@ def latency_section(args, out: Path, command: str, device: str) -> None:
           + f"\n\nRandom Qwen2.5-0.5B-shaped model, SDPA, KV cache of {args.cache} tokens; {profile_note}.")
     print(md, flush=True)
     write(out.with_name(out.name + "_latency"), command, device, md, latency)
+
+
+def steps_section(args, out: Path, command: str, device: str) -> None:
+    rows, profile = steps_table(args)
+    loops = [r for r in rows if "decoder_ms" in r]
+    steps = [r for r in rows if r not in loops]
+    cell = lambda r, k: f"{r[k]:.2f}" if k in r else "no kernel"  # noqa: E731
+    md = ("| step | SDPA kernels | ms / step, key length growing | ms / step, key length fixed | growing / fixed |\n"
+          "|---|---|---|---|---|\n"
+          + "\n".join(f"| {r['step']} | {r['sdpa']} | {cell(r, 'growing_ms')} | {cell(r, 'fixed_ms')} | "
+                      + (f"{r['growing_ms'] / r['fixed_ms']:.2f}x |" if "error" not in r else "|") for r in steps)
+          + "\n\n| decoder loop (base checkpoint, 8 held-out problems) | SDPA kernels | ms / forward |\n|---|---|---|\n"
+          + "\n".join(f"| {r['step']} | {r['sdpa']} | {cell(r, 'decoder_ms')} |" for r in loops)
+          + f"\n\nBase checkpoint's architecture; {args.steps} timed steps per cell, after 4 untimed ones on other key "
+          "lengths; a step is the forward, the host reading its argmax and the cache crop. Growing: after a 64-token "
+          "prompt, the cache keeps the step's tokens (1 for AR and ISD propose, 3 otherwise), so every step's key "
+          "length is new; fixed: after a 48-token prompt, cropped back after each step. Each SDPA choice, and each "
+          "decoder loop, ran in a fresh process (cuDNN caches its plans per process and shape).")
+    print(md, flush=True)
+    write(out.with_name(out.name + "_steps"), command, device, md, rows)
+    out.with_name(out.name + "_steps_profile.txt").write_text(profile + "\n")
 
 
 def decoding_section(args, out: Path, command: str, device: str) -> None:
