@@ -15,11 +15,13 @@ def cached_step_attention() -> Iterator[None]:
 
     Every step of a cached decode brings a key length (and, in a parallel decoder, a query count)
     the process may not have seen yet, and cuDNN's attention builds an execution plan for each new
-    shape on the host. Torch picks cuDNN for masked steps on Hopper, and
-    ``benchmarks/results/gpu_decoding_steps.md`` (H200) measured a step at 10-14x its cost when its
-    shape was new than when it repeated, and no such gap with cuDNN off. The kernels left (flash,
-    memory-efficient, math) have no per-shape set-up. Other kernel restrictions in force stay as
-    they are; on CPU, where there is no cuDNN attention, this changes nothing.
+    shape on the host. On an H200 (torch 2.11) SDPA sent the decoders' steps to cuDNN, and a step
+    whose shape was new cost 10-14x one whose shape repeated
+    (``benchmarks/results/gpu_decoding_steps.md``); with cuDNN off, the parallel decoders' forwards
+    fell from 8.7-18.1 to 4.5-5.4 ms (``gpu_decoding_decoding_h200_cudnn.md`` against
+    ``gpu_decoding_decoding.md``). The kernels left (flash, memory-efficient, math) plan nothing per
+    shape. Other kernel restrictions in force stay as they are; on CPU, where there is no cuDNN
+    attention, this changes nothing.
     """
     enabled = torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(False)
