@@ -40,9 +40,11 @@ class SwapConfig(ARDecoderConfig):
 
 
 class SwapAttentionDecoder(ARDecoder):
-    """AR greedy under a custom attention registered with ``AttentionInterface`` in ``prepare``."""
+    """AR greedy under a custom attention registered with ``AttentionInterface`` in ``prepare``; each
+    ``decode`` call records whether SDPA may pick cuDNN attention (``cudnn_seen``)."""
 
     name = "swap_test"
+    cudnn_seen: list[bool] = []
 
     @property
     def is_ar_greedy(self) -> bool:  # not the reference: evaluate also runs AR greedy for agreement
@@ -60,6 +62,7 @@ class SwapAttentionDecoder(ARDecoder):
 
     def decode(self, model, prompts, eos_token_ids, seeds):
         assert model.config._attn_implementation == SWAPPED
+        SwapAttentionDecoder.cudnn_seen.append(torch.backends.cuda.cudnn_sdp_enabled())
         if self.cfg.fail:
             raise RuntimeError("decoder failed mid-run")
         return super().decode(model, prompts, eos_token_ids, seeds)
@@ -81,30 +84,9 @@ class GuidedDecoder(ARDecoder):
         return super().decode(self.auxiliary["guide"], prompts, eos_token_ids, seeds)
 
 
-@dataclass
-class CudnnProbeConfig(ARDecoderConfig):
-    name: str = "cudnn_probe"
-    fail: bool = False
-
-
-class CudnnProbeDecoder(ARDecoder):
-    """AR greedy that records whether SDPA may pick cuDNN attention while it decodes."""
-
-    name = "cudnn_probe"
-    seen: list[bool] = []
-
-    def decode(self, model, prompts, eos_token_ids, seeds):
-        CudnnProbeDecoder.seen.append(torch.backends.cuda.cudnn_sdp_enabled())
-        if self.cfg.fail:
-            raise RuntimeError("decoder failed mid-run")
-        return super().decode(model, prompts, eos_token_ids, seeds)
-
-
 @pytest.fixture
 def test_decoders(monkeypatch):
     monkeypatch.setitem(registry._DECODERS, "swap_test", "tests.test_decoder_lifecycle:SwapAttentionDecoder:SwapConfig")
-    monkeypatch.setitem(registry._DECODERS, "cudnn_probe",
-                        "tests.test_decoder_lifecycle:CudnnProbeDecoder:CudnnProbeConfig")
     monkeypatch.setitem(registry._DECODERS, "guided_test", "tests.test_decoder_lifecycle:GuidedDecoder:GuidedConfig")
 
 
@@ -144,17 +126,17 @@ def test_decoding_runs_without_cudnn_attention_and_restores_the_setting(test_dec
     cuDNN plans each new shape), then restores the process's setting, also after a failure; an
     outer restriction stays."""
     model, tok, rows = setup
-    CudnnProbeDecoder.seen = []
+    SwapAttentionDecoder.cudnn_seen = []
     assert torch.backends.cuda.cudnn_sdp_enabled()
-    evaluate(model, tok, rows, {"name": "cudnn_probe", "max_new_tokens": 4, "batch_size": 2}, agreement=False)
-    assert CudnnProbeDecoder.seen == [False] * -(-len(rows) // 2)  # one decode call per batch of 2
+    evaluate(model, tok, rows, {"name": "swap_test", "max_new_tokens": 4, "batch_size": 2}, agreement=False)
+    assert SwapAttentionDecoder.cudnn_seen == [False] * -(-len(rows) // 2)  # one decode call per batch of 2
     assert torch.backends.cuda.cudnn_sdp_enabled()
     with pytest.raises(RuntimeError, match="decoder failed mid-run"):
-        evaluate(model, tok, rows, {"name": "cudnn_probe", "fail": True, "max_new_tokens": 4}, agreement=False)
+        evaluate(model, tok, rows, {"name": "swap_test", "fail": True, "max_new_tokens": 4}, agreement=False)
     assert torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(False)
     try:
-        evaluate(model, tok, rows, {"name": "cudnn_probe", "max_new_tokens": 4}, agreement=False)
+        evaluate(model, tok, rows, {"name": "swap_test", "max_new_tokens": 4}, agreement=False)
         assert not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(True)
