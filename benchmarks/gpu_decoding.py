@@ -15,11 +15,12 @@ Two tables, one run, bf16, batch 1:
    against AR's says why it falls short. On CUDA each row then decodes ``--profile-samples``
    problems again under the profiler: GPU kernels and GPU busy time per forward, against the wall
    time per forward, say whether a step waits on the GPU, on kernel launches or on host work.
-   ``--sdpa-backends`` restricts SDPA's kernels (e.g. without cuDNN, whose attention builds an
-   execution plan per new shape, and a decode step's key length is new at every step).
+   ``--sdpa-backends`` restricts SDPA's kernels further: ``evaluate`` already decodes without cuDNN
+   attention (``common.kv_cache.cached_step_attention``: it builds an execution plan per new shape,
+   and a decode step's key length is new at every step).
 
-3. ``steps`` (where a parallel step's wall time goes): the base checkpoint's architecture with
-   random weights runs the decoders' step shapes -- an AR step (q = 1), ISD's propose and verify
+3. ``steps`` (where a parallel step's wall time goes): the base checkpoint runs the decoders' step
+   shapes on random tokens -- an AR step (q = 1), ISD's propose and verify
    steps (q = N and 2N-1, with the decoder's own :class:`StepMasks` mask) and a Jacobi step
    (q = n, transformers' causal mask over the cache) -- each step a forward, the argmax read on the
    host and a cache crop, as in the decoders. Each runs with the key length growing from step to
@@ -432,7 +433,7 @@ def steps_section(args, out: Path, command: str, device: str) -> None:
                       + (f"{r['growing_ms'] / r['fixed_ms']:.2f}x |" if "error" not in r else "|") for r in steps)
           + "\n\n| decoder loop (base checkpoint, 8 held-out problems) | SDPA kernels | ms / forward |\n|---|---|---|\n"
           + "\n".join(f"| {r['step']} | {r['sdpa']} | {cell(r, 'decoder_ms')} |" for r in loops)
-          + f"\n\nBase checkpoint's architecture; {args.steps} timed steps per cell, after 4 untimed ones on other key "
+          + f"\n\nThe base checkpoint on random tokens; {args.steps} timed steps per cell, after 4 untimed ones on other key "
           "lengths; a step is the forward, the host reading its argmax and the cache crop. Growing: after a 64-token "
           "prompt, the cache keeps the step's tokens (1 for AR and ISD propose, 3 otherwise), so every step's key "
           "length is new; fixed: after a 48-token prompt, cropped back after each step. Each SDPA choice, and each "
