@@ -25,7 +25,9 @@ Lifecycle, driven by ``inference.evaluate.evaluate`` (one run = one eval set):
    whatever the decoder changes on the model for its run (an attention function registered with
    transformers' ``AttentionInterface``, hooks, ...) and must undo on exit, also on error; the
    evaluator leaves it before the AR greedy reference run, so the reference always sees the model
-   as loaded. The default changes nothing.
+   as loaded. The default changes nothing. The evaluator runs every ``decode`` (the reference's
+   too) under :func:`common.kv_cache.cached_step_attention`: SDPA without cuDNN attention, which
+   plans each new step shape on the host.
 4. ``decoder.summarize(records)``: decoder-specific aggregates over the run's per-sample records
    (e.g. ISD acceptance), merged into the metrics; the default adds nothing.
 
