@@ -11,8 +11,9 @@ Two tables, one run, bf16, batch 1:
 2. ``decoding``: the embedded default's converted checkpoints decode the same held-out problems with
    AR greedy, ISD N=4 (I-DLM), R-ISD (gated LoRA), Jacobi and multi-block (Jacobi Forcing round 2),
    each after an untimed warm-up (and every model first decodes ``--warmup-problems`` problems).
-   TPS / AR is against the base's AR greedy in this run, and ``(TPS / AR) / TPF`` is the fraction of the forward saving that reaches wall time; ``ms / forward``
-   against AR's says why it falls short. On CUDA each row then decodes ``--profile-samples``
+   TPS / AR is against the base's AR greedy in this run, and ``(TPS / AR) / TPF`` is the fraction
+   of the forward saving that reaches wall time; ``ms / forward`` against AR's says why it falls
+   short. On CUDA each row then decodes ``--profile-samples``
    problems again under the profiler: GPU kernels and GPU busy time per forward, against the wall
    time per forward, say whether a step waits on the GPU, on kernel launches or on host work.
    ``--sdpa-backends`` restricts SDPA's kernels further: ``evaluate`` already decodes without cuDNN
