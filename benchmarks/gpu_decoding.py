@@ -443,10 +443,11 @@ def steps_section(args, out: Path, command: str, device: str) -> None:
           + "\n\n| decoder loop (base checkpoint, 8 held-out problems) | SDPA kernels | ms / forward |\n|---|---|---|\n"
           + "\n".join(f"| {r['step']} | {r['sdpa']} | {cell(r, 'decoder_ms')} |" for r in loops)
           + f"\n\nThe base checkpoint on random tokens; {args.steps} timed steps per cell, after 4 untimed ones on "
-          "other key lengths; a step is the forward, the host reading its argmax and the cache crop. Growing: after a 64-token "
-          "prompt, the cache keeps the step's tokens (1 for AR and ISD propose, 3 otherwise), so every step's key "
-          "length is new; fixed: after a 48-token prompt, cropped back after each step. Each SDPA choice, and each "
-          "decoder loop, ran in a fresh process (cuDNN caches its plans per process and shape).")
+          "other key lengths; a step is the forward, the host reading its argmax and the cache crop. Growing: "
+          "after a 64-token prompt, the cache keeps the step's tokens (1 for AR and ISD propose, 3 otherwise), "
+          "so every step's key length is new; fixed: after a 48-token prompt, cropped back after each step. "
+          "Each SDPA choice, and each decoder loop, ran in a fresh process (cuDNN caches its plans per process "
+          "and shape).")
     print(md, flush=True)
     write(out.with_name(out.name + "_steps"), command, device, md, rows)
     out.with_name(out.name + "_steps_profile.txt").write_text(profile + "\n")
