@@ -3,7 +3,7 @@ guesses (the guesses themselves are ``ar_guesses``, tested in tests/test_mdm_tea
 
 from __future__ import annotations
 
-from benchmarks.refusion_teacher_forced import slot_position_accuracy
+from benchmarks.refusion_teacher_forced import plan_guesses, slot_position_accuracy
 
 
 def test_splits_slot_starts_from_in_slot_positions():
@@ -23,3 +23,31 @@ def test_splits_slot_starts_from_in_slot_positions():
 def test_no_problems_gives_no_accuracy():
     out = slot_position_accuracy([], [], k=4)
     assert out["accuracy_slot_start"] is None and out["all_correct"] is None
+
+
+def test_plan_guesses_equal_a_forward_under_the_decoders_mask_per_slot_start():
+    """Each slot start's plan guess equals the first mask's argmax of a forward built another way:
+    the decoder's own predicate (every entry shared) as an explicit dense mask, explicit positions."""
+    import torch
+
+    from masks.core import additive_mask
+    from masks.refusion import SHARED, refusion_decode_mask
+    from tests.conftest import tiny_model
+
+    vocab, mask_id, k, max_new = 40, 39, 3, 7
+    model = tiny_model(vocab, "qwen3", seed=1).eval()
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() * 60.0)  # spread the argmaxes
+    model.config.tie_word_embeddings = False
+    prompt, answer = [3, 4, 5], [6, 7, 8, 9, 10, 11, 12]
+    expected = []
+    with torch.no_grad():
+        for j in range(0, len(answer), k):
+            ids = prompt + answer[:j] + [mask_id] * min(k, max_new - j)
+            n = len(ids)
+            mask = additive_mask(refusion_decode_mask(torch.full((1, n), SHARED)), 1, n, n, model.dtype, "cpu")
+            logits = model(input_ids=torch.tensor([ids]), position_ids=torch.arange(n)[None],
+                           attention_mask=mask).logits
+            expected.append(int(logits[0, len(prompt) + j].argmax()))
+    guesses = plan_guesses(model, prompt, answer, k, mask_id, max_new)
+    assert guesses == expected and len(guesses) == 3  # slot starts j = 0, 3, 6 (the last slot capped to 1 mask)
+    assert len(set(guesses)) > 1
