@@ -105,12 +105,14 @@ def main() -> None:
     table.append({"model": f"ReFusion ({args.refusion}), its plan at slot starts", "accuracy_slot_start":
                   plan_row["accuracy_slot_start"], "tokens_slot_start": plan_row["tokens_slot_start"],
                   "accuracy_in_slot": None, "tokens_in_slot": 0, "all_correct": plan_row["all_correct"]})
-    fmt = lambda v: "—" if v is None else f"{v:.2%}"  # noqa: E731
-    lines = [f"| model (true prefix) | slot starts (k = {k}) | in-slot positions | problems all right |",
-             "|---|---|---|---|"]
+    def fmt(v: float | None) -> str:
+        return "—" if v is None else f"{v:.2%}"
+
     def cell(row: dict, key: str) -> str:
         return f"{fmt(row[f'accuracy_{key}'])} of {row[f'tokens_{key}']}" if row[f"tokens_{key}"] else "—"
 
+    lines = [f"| model (true prefix) | slot starts (k = {k}) | in-slot positions | problems all right |",
+             "|---|---|---|---|"]
     lines += [f"| {r['model']} | {cell(r, 'slot_start')} | {cell(r, 'in_slot')} | {fmt(r['all_correct'])} |"
               for r in table]
     md = "\n".join(lines) + ("\n\nThe plan row's last column counts problems whose every slot start the plan gets "
