@@ -1,6 +1,13 @@
-"""Pieces every decoding benchmark shares: the held-out problems and exact-identity scoring."""
+"""Pieces every decoding benchmark shares: the held-out problems, exact-identity scoring, and writing
+a table with the command that made it."""
 
 from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -30,3 +37,16 @@ def validation_rows(num_samples: int):
     cfg = OmegaConf.structured(DataConfig).synthetic
     cfg.num_val = num_samples
     return datasets.Dataset.from_list(generate_split(cfg, "val"))
+
+
+def invoked_command(module: str) -> str:
+    """``python -m <module> <this process's arguments>``, quoted as a shell would need them."""
+    return f"python -m {module} " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def write_results(out: str | Path, command: str, body: str, payload: Any) -> None:
+    """``<out>.md``: ``Command: <command>`` then ``body``; ``<out>.json``: ``payload``."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(f"Command: {command}\n\n{body}\n")
+    out.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")

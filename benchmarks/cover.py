@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import held_out_rows, validation_rows
+from benchmarks.common import held_out_rows, validation_rows, write_results
 from inference.checkpoint import load_checkpoint
 from inference.decoders.mdm_common import default_block_size, mdm_info
 from inference.evaluate import evaluate
@@ -145,14 +145,12 @@ def main() -> None:
     command = (f"python -m benchmarks.cover --mdm {args.mdm} --num-samples {args.num_samples} --num-validation "
                f"{args.num_validation} --max-new-tokens {args.max_new_tokens} --block-size {args.block_size} "
                f"--taus {args.taus} --select {args.select} --threads {args.threads}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(
-        f"Command: {command}\n\nCheckpoint: {args.mdm}. Test: the first {args.num_samples} held-out problems; "
-        f"COVER's tau_draft tuned on the first {args.num_validation} problems of the generator's val split. CPU, {args.threads} thread(s), shared "
-        f"machine: TPS is indicative only.\n\nValidation (COVER):\n\n{tune_md}\n\nTest:\n\n{md}\n")
-    out.with_suffix(".json").write_text(json.dumps({"validation": tuning, "validation_baselines": baselines_val,
-                                                    "test": table}, indent=2))
+    write_results(args.out, command,
+                  f"Checkpoint: {args.mdm}. Test: the first {args.num_samples} held-out problems; COVER's tau_draft "
+                  f"tuned on the first {args.num_validation} problems of the generator's val split. CPU, "
+                  f"{args.threads} thread(s), shared machine: TPS is indicative only.\n\nValidation (COVER):\n\n"
+                  f"{tune_md}\n\nTest:\n\n{md}",
+                  {"validation": tuning, "validation_baselines": baselines_val, "test": table})
 
 
 if __name__ == "__main__":

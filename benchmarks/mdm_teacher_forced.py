@@ -20,14 +20,11 @@ Writes ``benchmarks/results/mdm_teacher_forced.{md,json}`` (``--out``).
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
-import sys
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import held_out_rows, validation_rows
+from benchmarks.common import held_out_rows, invoked_command, validation_rows, write_results
 from inference.checkpoint import load_checkpoint
 from inference.decoders.mdm_common import mdm_info
 from inference.decoders.mdm_guided import check_guide_tokenizer
@@ -74,13 +71,18 @@ def ar_guesses(model, prompt: list[int], answer: list[int]) -> list[int]:
     return logits[len(prompt) - 1:].argmax(-1).tolist()
 
 
+def prompt_and_answer(tok, row) -> tuple[list[int], list[int]]:
+    """A problem's prompt ids and its answer ids (the response and EOS), as the recipes tokenise them."""
+    prompt = tok(row["prompt"], add_special_tokens=False)["input_ids"]
+    return prompt, tok(row["response"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+
 def score(rows, tok, guess) -> dict:
     """Per-token accuracy (all, digits, other) and the share of problems with every token right."""
     hits = {"all": [0, 0], "digits": [0, 0], "other": [0, 0]}
     perfect = 0
     for row in rows:
-        prompt = tok(row["prompt"], add_special_tokens=False)["input_ids"]
-        answer = tok(row["response"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        prompt, answer = prompt_and_answer(tok, row)
         right = [g == a for g, a in zip(guess(prompt, answer), answer, strict=True)]
         perfect += all(right)
         for token, ok in zip(answer, right):
@@ -114,13 +116,9 @@ def main() -> None:
               f"{fmt(r['accuracy_other'])} | {fmt(r['all_correct'])} |" for r in table]
     md = "\n".join(lines)
     print(md)
-    command = "python -m benchmarks.mdm_teacher_forced " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(
-        f"Command: {command}\n\n{args.num_samples} problems ({args.split} split), teacher-forced (true answer "
-        f"prefix), float32, CPU.\n\n{md}\n")
-    out.with_suffix(".json").write_text(json.dumps(table, indent=2) + "\n")
+    write_results(args.out, invoked_command("benchmarks.mdm_teacher_forced"),
+                  f"{args.num_samples} problems ({args.split} split), teacher-forced (true answer prefix), float32, "
+                  f"CPU.\n\n{md}", table)
 
 
 if __name__ == "__main__":

@@ -23,16 +23,13 @@ token; the first mask's argmax is the slot's first token (:func:`plan_guesses`).
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import held_out_rows, validation_rows
-from benchmarks.mdm_teacher_forced import ar_guesses
+from benchmarks.common import held_out_rows, invoked_command, validation_rows, write_results
+from benchmarks.mdm_teacher_forced import ar_guesses, prompt_and_answer
 from inference.checkpoint import load_checkpoint
 from inference.decoders.refusion import resolve_slot_size
 from models.loading import mask_token_id
@@ -91,8 +88,7 @@ def main() -> None:
     base, tok = load_checkpoint(args.base, device="cpu", dtype="float32")
     refusion, refusion_tok = load_checkpoint(args.refusion, device="cpu", dtype="float32")
     k = resolve_slot_size(refusion, args.slot_size)
-    prompts = [tok(row["prompt"], add_special_tokens=False)["input_ids"] for row in rows]
-    answers = [tok(row["response"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for row in rows]
+    prompts, answers = zip(*(prompt_and_answer(tok, row) for row in rows), strict=True)
     table = []
     for label, model in ((f"base AR ({args.base})", base), (f"ReFusion ({args.refusion}), its AR head", refusion)):
         guesses = [ar_guesses(model, p, a) for p, a in zip(prompts, answers, strict=True)]
@@ -118,14 +114,10 @@ def main() -> None:
     md = "\n".join(lines) + ("\n\nThe plan row's last column counts problems whose every slot start the plan gets "
                              "right (in-slot tokens come from the AR head when the decoder verifies or completes).")
     print(md)
-    command = "python -m benchmarks.refusion_teacher_forced " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(
-        f"Command: {command}\n\n{args.num_samples} problems ({args.split} split), teacher-forced (true answer "
-        f"prefix, causal): the AR heads' next-token guesses and the plan's first-token guesses, float32, "
-        f"CPU.\n\n{md}\n")
-    out.with_suffix(".json").write_text(json.dumps({"slot_size": k, "rows": table}, indent=2) + "\n")
+    write_results(args.out, invoked_command("benchmarks.refusion_teacher_forced"),
+                  f"{args.num_samples} problems ({args.split} split), teacher-forced (true answer prefix, causal): "
+                  f"the AR heads' next-token guesses and the plan's first-token guesses, float32, CPU.\n\n{md}",
+                  {"slot_size": k, "rows": table})
 
 
 if __name__ == "__main__":
