@@ -1,26 +1,29 @@
 # python -m benchmarks.refusion --base runs/default_base/hf --refusion runs/refusion_default/hf
-"""ReFusion on the embedded default: AR greedy of the base vs plan-and-infill over a sweep of (b, tau).
+"""ReFusion on the embedded default: AR greedy of the base vs plan-and-infill over a sweep of (b, tau, first token).
 
 One run, two phases, every row at batch 1 in this process after an untimed warm-up on two problems
 (so TPS are comparable; TPS ratios are to the base's AR greedy of the same phase):
 
 1. **Tuning on the validation split** (``--num-val`` problems of the generator's ``val`` split,
    disjoint from train and test): AR greedy of the base and of the ReFusion checkpoint itself, then
-   ReFusion (KV reuse) at every semi-AR block size b of ``--block-sizes`` and every threshold tau of
-   ``--thresholds`` (tau sets both the plan and the verify threshold). The chosen (b, tau) is the one
-   with the highest TPF whose validation accuracy is within ``--max-drop`` points of the base's (the
-   most accurate one when none is).
+   ReFusion (KV reuse) at every semi-AR block size b of ``--block-sizes``, every threshold tau of
+   ``--thresholds`` (tau sets both the plan and the verify threshold) and every source of a slot's
+   first token of ``--first-tokens`` (``mask``: the paper's plan; ``ar``: the AR head, only at b = k).
+   The chosen setting is the one with the highest TPF whose validation accuracy is within
+   ``--max-drop`` points of the base's (the most accurate one when none is).
 2. **Test** (the first ``--num-samples`` held-out test problems): the two AR greedy rows, ReFusion at
-   the chosen b and every tau of the sweep with KV reuse, and the chosen (b, tau) again with
-   ``kv_reuse=false`` (the whole context recomputed every forward, the paper's ablation) and with
-   ``fuse_plan=false`` (a plan forward every step: the same tokens, more forwards).
+   the chosen b and first-token source and every tau of the sweep with KV reuse, and the chosen
+   setting again with ``kv_reuse=false`` (the whole context recomputed every forward, the paper's
+   ablation), with ``fuse_plan=false`` (a plan forward every step: the same tokens, more forwards)
+   and, at b = k, with the other first-token source.
 
 Columns: accuracy (exact ``#### n``); = base AR greedy (share of samples whose output tokens equal the
 base's AR greedy output exactly); TPF = committed tokens / decoding forwards and NFE per sample
 (SPEC §0: prefill excluded, nothing after EOS); TPS and TPS / base AR; slots / step = slots
 accepted per plan-and-infill iteration. Slot size k: the checkpoint's ``pardec.slot_size`` unless
-``--slot-size``. With b = k every step completes one slot, whose first token still comes from the
-plan (the mask head), so b = k is not lossless with respect to the checkpoint's own AR greedy.
+``--slot-size``. With b = k every step completes one slot. Its first token comes from the plan (the
+mask head) with ``first_token=mask``, so that is not lossless with respect to the checkpoint's own AR
+greedy; with ``first_token=ar`` and tau >= 0.5 it is (``inference.decoders.refusion``).
 
 Writes ``benchmarks/results/refusion.{md,json}``.
 """
@@ -37,10 +40,12 @@ import torch
 
 from benchmarks.common import held_out_rows, identical, validation_rows
 from inference.checkpoint import load_checkpoint
+from inference.decoders.refusion import resolve_slot_size
 from inference.evaluate import evaluate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OWN_AR = "AR greedy (ReFusion checkpoint)"
+SETTING_KEYS = ("block_size", "threshold", "first_token")
 
 
 def parse_args() -> argparse.Namespace:
@@ -54,6 +59,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--slot-size", type=int, default=None, help="default: the checkpoint's pardec.slot_size")
     p.add_argument("--block-sizes", type=int, nargs="+", default=[16],
                    help="semi-AR block sizes b swept on validation (multiples of the slot size)")
+    p.add_argument("--first-tokens", nargs="+", default=["mask", "ar"], choices=["mask", "ar"],
+                   help="sources of a slot's first token swept on validation (ar only where b = k)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(RESULTS / "refusion"))
@@ -71,28 +78,36 @@ def run_row(label: str, model, tok, rows, decoder: dict) -> dict:
     return row, sorted(result.records, key=lambda r: r["index"])
 
 
-ABLATIONS = ({"kv_reuse": False}, {"fuse_plan": False})
+def ablations(setting: dict, slot_size: int) -> list[dict]:
+    """The test phase's variants of the chosen setting: recomputation, a plan forward every step and,
+    at b = k, the other first-token source."""
+    out = [{"kv_reuse": False}, {"fuse_plan": False}]
+    if setting["block_size"] == slot_size:
+        out.append({"first_token": "mask" if setting["first_token"] == "ar" else "ar"})
+    return out
 
 
-def label(block_size: int, tau: float, **ablation: bool) -> str:
-    return f"ReFusion b={block_size} tau={tau:g}" + "".join(f", {k}={str(v).lower()}" for k, v in ablation.items())
+def label(setting: dict, **ablation) -> str:
+    """``setting``: block_size, threshold, first_token; ``ablation``: overrides, named after them."""
+    first = ablation.pop("first_token", None)
+    text = f"ReFusion b={setting['block_size']} tau={setting['threshold']:g}"
+    text += f" first_token={first or setting['first_token']}"
+    return text + "".join(f", {k}={str(v).lower()}" for k, v in ablation.items())
 
 
-def phase(args, models, rows, settings: list[tuple[int, float]],
-          ablate: tuple[int, float] | None = None) -> list[dict]:
-    """AR greedy of the base and of the ReFusion checkpoint, then ReFusion at every (b, tau) of
-    ``settings``, and at ``ablate`` once per entry of ``ABLATIONS``."""
+def phase(args, models, rows, settings: list[dict], slot_size: int, ablate: dict | None = None) -> list[dict]:
+    """AR greedy of the base and of the ReFusion checkpoint, then ReFusion at every setting of
+    ``settings``, and at ``ablate`` once per entry of :func:`ablations`."""
     common = {"max_new_tokens": args.max_new_tokens, "batch_size": 1}
     refusion = {"name": "refusion", **common, "slot_size": args.slot_size}
     runs = [run_row("AR greedy (base)", *models["base"], rows, {"name": "ar", **common}),
             run_row(OWN_AR, *models["refusion"], rows, {"name": "ar", **common})]
-    for b, tau in settings:
-        runs.append(run_row(label(b, tau), *models["refusion"], rows, {**refusion, "block_size": b, "threshold": tau}))
+    for setting in settings:
+        runs.append(run_row(label(setting), *models["refusion"], rows, {**refusion, **setting}))
     if ablate is not None:
-        b, tau = ablate
-        for ablation in ABLATIONS:
-            runs.append(run_row(label(b, tau, **ablation), *models["refusion"], rows,
-                                {**refusion, "block_size": b, "threshold": tau, **ablation}))
+        for ablation in ablations(ablate, slot_size):
+            runs.append(run_row(label(ablate, **ablation), *models["refusion"], rows,
+                                {**refusion, **ablate, **ablation}))
     (base, base_records), (_, own_records), table = runs[0], runs[1], [row for row, _ in runs]
     for row, records in runs:
         row["tps_ratio"] = row["tps"] / base["tps"]
@@ -101,9 +116,10 @@ def phase(args, models, rows, settings: list[tuple[int, float]],
     return table
 
 
-def choose_setting(val_table: list[dict], max_drop: float) -> tuple[tuple[int, float], str]:
-    """((b, tau), the rule that chose it): the highest TPF within ``max_drop`` of the base's accuracy,
-    or the most accurate setting (then the faster one) when none is within it."""
+def choose_setting(val_table: list[dict], max_drop: float) -> tuple[dict, str]:
+    """(the setting: block_size, threshold, first_token; the rule that chose it): the highest TPF
+    within ``max_drop`` of the base's accuracy, or the most accurate setting (then the faster one) when
+    none is within it."""
     base = val_table[0]["accuracy"]
     sweep = [r for r in val_table if r["decoder"].startswith("ReFusion")]
     ok = [r for r in sweep if r["accuracy"] >= base - max_drop - 1e-9]
@@ -112,7 +128,7 @@ def choose_setting(val_table: list[dict], max_drop: float) -> tuple[tuple[int, f
     else:
         best = max(sweep, key=lambda r: (r["accuracy"], r["tpf"]))
         rule = f"no setting is within {max_drop:.0%} of the base's accuracy: the most accurate one"
-    return (best["config"]["block_size"], best["config"]["threshold"]), rule
+    return {key: best["config"][key] for key in SETTING_KEYS}, rule
 
 
 def markdown(table: list[dict]) -> str:
@@ -135,31 +151,37 @@ def main() -> None:
     models = {"base": load_checkpoint(args.base, device="cpu"),
               "refusion": load_checkpoint(args.refusion, device="cpu")}
 
-    grid = [(b, tau) for b in args.block_sizes for tau in args.thresholds]
-    val = phase(args, models, validation_rows(args.num_val), grid)
-    (block, tau), rule = choose_setting(val, args.max_drop)
-    test = phase(args, models, held_out_rows(args.num_samples), [(block, t) for t in args.thresholds],
-                 ablate=(block, tau))
+    slot_size = resolve_slot_size(models["refusion"][0], args.slot_size)
+    grid = [{"block_size": b, "threshold": tau, "first_token": first}
+            for b in args.block_sizes for first in args.first_tokens for tau in args.thresholds
+            if first == "mask" or b == slot_size]
+    if not grid:
+        raise SystemExit(f"--first-tokens ar needs a block size equal to the slot size {slot_size} in --block-sizes")
+    val = phase(args, models, validation_rows(args.num_val), grid, slot_size)
+    chosen, rule = choose_setting(val, args.max_drop)
+    block, tau = chosen["block_size"], chosen["threshold"]
+    test = phase(args, models, held_out_rows(args.num_samples), [{**chosen, "threshold": t} for t in args.thresholds],
+                 slot_size, ablate=chosen)
 
     by_label = {r["decoder"]: r for r in test}
-    reuse, recompute = by_label[label(block, tau)], by_label[label(block, tau, kv_reuse=False)]
-    ablations = {label(block, tau, **a) for a in ABLATIONS}
+    reuse, recompute = by_label[label(chosen)], by_label[label(chosen, kv_reuse=False)]
+    ablated = {label(chosen, **a) for a in ablations(chosen, slot_size)}
     base = test[0]
     goals = {
         "tpf_2.5_within_2_points": any(r["tpf"] >= 2.5 and r["accuracy"] >= base["accuracy"] - 0.02 - 1e-9
-                                       for r in test if r["decoder"].startswith("ReFusion") and r["decoder"] not in ablations),
+                                       for r in test if r["decoder"].startswith("ReFusion") and r["decoder"] not in ablated),
         "kv_reuse_tps_1.5x_recompute": reuse["tps"] >= 1.5 * recompute["tps"],
         "kv_reuse_accuracy_within_1_point_of_recompute": abs(reuse["accuracy"] - recompute["accuracy"]) <= 0.01 + 1e-9,
     }
     command = "python -m benchmarks.refusion " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     md = (
         f"Command: {command}\n\n"
-        f"Validation split ({args.num_val} problems of the generator's val split; (b, tau) chosen here: "
-        f"b={block} tau={tau:g}, {rule}):\n\n{markdown(val)}\n\n"
+        f"Validation split ({args.num_val} problems of the generator's val split; setting chosen here: "
+        f"{label(chosen)}, {rule}):\n\n{markdown(val)}\n\n"
         f"Test split ({args.num_samples} held-out problems):\n\n{markdown(test)}\n\n"
         f"Goals on the test split: TPF >= 2.5 within 2 points of the base at some tau: "
         f"{'met' if goals['tpf_2.5_within_2_points'] else 'NOT met'}; KV reuse >= 1.5x the TPS of recomputation "
-        f"at b={block} tau={tau:g}: {'met' if goals['kv_reuse_tps_1.5x_recompute'] else 'NOT met'} "
+        f"at {label(chosen)}: {'met' if goals['kv_reuse_tps_1.5x_recompute'] else 'NOT met'} "
         f"({reuse['tps'] / recompute['tps']:.2f}x), accuracy within 1 point of it: "
         f"{'met' if goals['kv_reuse_accuracy_within_1_point_of_recompute'] else 'NOT met'}.\n"
     )
@@ -168,7 +190,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(md)
     out.with_suffix(".json").write_text(json.dumps({
-        "command": command, "chosen_block_size": block, "chosen_threshold": tau, "chosen_label": label(block, tau),
+        "command": command, "chosen_block_size": block, "chosen_threshold": tau,
+        "chosen_first_token": chosen["first_token"], "chosen_label": label(chosen),
         "choice_rule": rule, "validation": val, "test": test, "goals": goals}, indent=2))
 
 

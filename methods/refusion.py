@@ -2,8 +2,8 @@
 
 Per micro-batch (``data_pipelines.refusion_batch``): each sample's answer (response + EOS) is cut
 into slots of a size k drawn from ``recipe.slot_sizes``; some slots are masked (``masking``:
-``count`` = exactly max(1, floor(tK)), the paper; ``bernoulli`` = per slot, the official code); the
-clean slots are permuted (or, with probability ``in_order_prob``, kept in order) and placed before
+``count`` = exactly max(1, floor(tK)), the paper; ``bernoulli`` = per slot, the official code; with
+probability ``suffix_mask_prob`` as many slots at the end of the answer instead); the clean slots are permuted (or, with probability ``in_order_prob``, kept in order) and placed before
 the masked ones, every token at its original position id; one forward with the causal-over-buffer
 mask (``masks.refusion``, always explicit; FlexAttention on GPU, never flash-attn's position-id
 packing); L = L_ARM + lambda * L_MDM (``losses.refusion``, ``mdm_norm`` = mean | llada).
@@ -45,6 +45,14 @@ class ReFusionConfig(RecipeConfig):
     # (beyond the paper, which always permutes: 0). Ordered clean slots are the state the decoder
     # sees when each step completes one slot (block_size = slot size).
     in_order_prob: float = 0.0
+    # Probability that a sample's masked slots are moved to the end of its answer (same count),
+    # beyond the paper (0). With in-order clean slots this is the semi-AR state the decoder plans
+    # from: the first masked slot sees the answer before it and nothing after it.
+    suffix_mask_prob: float = 0.0
+    # Also train the next-token target across a slot boundary where the next slot follows in the
+    # buffer (prompt -> slot 0, clean slots kept in order): beyond the paper (false), whose L_ARM
+    # never crosses a slot, so that slot starts keep the base's AR signal.
+    ar_across_slots: bool = False
     # lambda in L = L_ARM + lambda * L_MDM.
     mdm_lambda: float = 1.0
     # The slot size recorded in the export (decoder=refusion's default k).
@@ -66,8 +74,9 @@ class ReFusionMethod(Method):
             raise ConfigError(f"config key 'recipe.masking' = {cfg.masking!r}; expected one of {MASKINGS}")
         if cfg.mdm_norm not in MDM_NORMS:
             raise ConfigError(f"config key 'recipe.mdm_norm' = {cfg.mdm_norm!r}; expected one of {MDM_NORMS}")
-        if not 0 <= cfg.in_order_prob <= 1:
-            raise ConfigError(f"config key 'recipe.in_order_prob' = {cfg.in_order_prob}; must be in [0, 1]")
+        for key in ("in_order_prob", "suffix_mask_prob"):
+            if not 0 <= getattr(cfg, key) <= 1:
+                raise ConfigError(f"config key 'recipe.{key}' = {getattr(cfg, key)}; must be in [0, 1]")
         if not cfg.mdm_lambda >= 0:
             raise ConfigError(f"config key 'recipe.mdm_lambda' = {cfg.mdm_lambda}; must be >= 0")
         if cfg.export_slot_size < 1:
@@ -109,6 +118,8 @@ class ReFusionMethod(Method):
             slot_sizes=[int(k) for k in self.cfg.slot_sizes],
             masking=self.cfg.masking,
             in_order_prob=self.cfg.in_order_prob,
+            suffix_mask_prob=self.cfg.suffix_mask_prob,
+            ar_across_slots=self.cfg.ar_across_slots,
             pad_token_id=self.tokenizer.pad_token_id,
         )
 

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from data_pipelines.refusion_batch import build_refusion_batch, draw_layout, layout_seed
+from data_pipelines.refusion_batch import MASKINGS, build_refusion_batch, draw_layout, layout_seed
 from masks.core import dense_additive_mask
 from masks.refusion import refusion_mask
 from tests import conftest
@@ -28,8 +28,11 @@ def random_samples(spec: list[tuple[int, int]], seed: int = 0) -> list[dict]:
     return [{"input_ids": [rng.randrange(1, MASK_ID) for _ in range(n)], "prompt_len": p} for n, p in spec]
 
 
-def brute_force_batch(samples, seeds, slot_sizes, masking, pack):
-    """Token by token: sort every answer token by (clean rank | masked, position), label it, pack, pad."""
+def brute_force_batch(samples, seeds, slot_sizes, masking, pack, in_order_prob=0.0, across=False):
+    """Token by token: sort every answer token by (clean rank | masked, position), label it, pack, pad.
+    ARM targets from the finished buffer: a clean answer token (or, ``across``, the prompt's last
+    token) predicts the next buffer token when that one is clean and at the next position, inside
+    its slot (or, ``across``, in any slot)."""
     rows, current, used = [], [], 0
     for i, s in enumerate(samples):
         if current and used + len(s["input_ids"]) > pack:
@@ -45,8 +48,9 @@ def brute_force_batch(samples, seeds, slot_sizes, masking, pack):
         for seg, i in enumerate(row):
             ids, p = samples[i]["input_ids"], samples[i]["prompt_len"]
             n_answer = len(ids) - p
-            layout = draw_layout(n_answer, random.Random(seeds[i]), slot_sizes, masking)
+            layout = draw_layout(n_answer, random.Random(seeds[i]), slot_sizes, masking, in_order_prob)
             k = layout.slot_size
+            start = len(r["input_ids"])
             for pos in range(p):
                 for key, v in zip(keys, (ids[pos], pos, -100, -100, -1, seg)):
                     r[key].append(v)
@@ -60,10 +64,16 @@ def brute_force_batch(samples, seeds, slot_sizes, masking, pack):
                 same_slot_next = a + 1 < n_answer and (a + 1) // k == a // k
                 r["input_ids"].append(MASK_ID if masked else ids[p + a])
                 r["position_ids"].append(p + a)
-                r["labels_arm"].append(ids[p + a + 1] if (not masked and same_slot_next) else -100)
+                r["labels_arm"].append(-100)
                 r["labels_mdm"].append(ids[p + a] if masked else -100)
                 r["mdm_sample"].append(i if masked else -1)
                 r["segment_ids"].append(seg)
+            for q in range(start + max(p - 1, 0), len(r["input_ids"]) - 1):  # the prompt's last token on
+                pos, nxt = r["position_ids"][q], r["position_ids"][q + 1]
+                clean = r["input_ids"][q] != MASK_ID and r["input_ids"][q + 1] != MASK_ID
+                same_slot = pos >= p and (pos - p) // k == (nxt - p) // k
+                if clean and nxt == pos + 1 and (same_slot or across):
+                    r["labels_arm"][q] = ids[nxt]
         while len(r["input_ids"]) < pack:
             for key, v in zip(keys, (PAD_ID, 0, -100, -100, -1, -1)):
                 r[key].append(v)
@@ -80,15 +90,17 @@ SAMPLE_SETS = [  # (samples as (length, prompt_len), slot sizes, pack length)
 ]
 
 
+@pytest.mark.parametrize("in_order_prob,across", [(0.0, False), (0.5, True), (0.0, True)])
 @pytest.mark.parametrize("masking", ["count", "bernoulli"])
 @pytest.mark.parametrize("spec,sizes,pack", SAMPLE_SETS)
-def test_buffer_matches_brute_force(spec, sizes, pack, masking):
+def test_buffer_matches_brute_force(spec, sizes, pack, masking, in_order_prob, across):
     samples = random_samples(spec, seed=len(spec))
     for trial in range(6):
         seeds = [layout_seed(7, trial, 0, i) for i in range(len(samples))]
         batch = build_refusion_batch(samples, mask_token_id=MASK_ID, pack_length=pack, seeds=seeds,
-                                     slot_sizes=sizes, masking=masking, pad_token_id=PAD_ID)
-        ref = brute_force_batch(samples, seeds, sizes, masking, pack)
+                                     slot_sizes=sizes, masking=masking, in_order_prob=in_order_prob,
+                                     ar_across_slots=across, pad_token_id=PAD_ID)
+        ref = brute_force_batch(samples, seeds, sizes, masking, pack, in_order_prob, across)
         for key in ("input_ids", "position_ids", "labels_arm", "labels_mdm", "mdm_sample"):
             assert torch.equal(batch[key], ref[key]), (key, trial)
         assert batch["attention"].factory is refusion_mask
@@ -154,6 +166,27 @@ def test_in_order_prob_keeps_the_clean_slots_in_position_order():
     assert 0.35 < share_sorted < 0.65
     with pytest.raises(ValueError, match="in_order_prob"):
         draw_layout(64, random.Random(0), (4,), "count", in_order_prob=1.5)
+
+
+@pytest.mark.parametrize("masking", MASKINGS)
+def test_suffix_mask_prob_masks_the_last_slots(masking):
+    """Same slot size and number of masked slots as the paper's rule (drawn first); with probability 1
+    they are the last ones (the clean slots a prefix), with 0 the layouts are the default ones."""
+    shares = []
+    for seed in range(100):
+        plain = draw_layout(50, random.Random(seed), (4, 8), masking)
+        suffix = draw_layout(50, random.Random(seed), (4, 8), masking, suffix_mask_prob=1.0)
+        n, m = plain.n_slots, len(plain.masked)
+        assert (suffix.slot_size, suffix.n_slots, len(suffix.masked)) == (plain.slot_size, n, m)
+        assert suffix.masked == tuple(range(n - m, n))
+        assert sorted(suffix.clean_order) == list(range(n - m))
+        assert draw_layout(50, random.Random(seed), (4, 8), masking, suffix_mask_prob=0.0) == plain
+        half = draw_layout(50, random.Random(seed), (4, 8), masking, suffix_mask_prob=0.5)
+        if 0 < m < n and plain.masked != suffix.masked:
+            shares.append(half.masked == suffix.masked)
+    assert 0.3 < sum(shares) / len(shares) < 0.7
+    with pytest.raises(ValueError, match="suffix_mask_prob"):
+        draw_layout(50, random.Random(0), (4,), masking, suffix_mask_prob=2.0)
 
 
 def test_deterministic_from_seed_and_step():

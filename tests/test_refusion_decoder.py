@@ -49,10 +49,10 @@ class RecordingContext(refusion_module._Context):
         self.where = list(range(len(self.ids)))  # log index of each current entry
         RecordingContext.made.append(self)
 
-    def forward(self, ids, pos, groups):
+    def forward(self, ids, pos, groups, context_rows=0):
         self.where = self.where + list(range(len(self.log), len(self.log) + len(ids)))
         self.log += [[t, p, self.step, g, self.forwards, None] for t, p, g in zip(ids, pos, groups)]
-        out = super().forward(ids, pos, groups)
+        out = super().forward(ids, pos, groups, context_rows)
         self.forwards += 1
         return out
 
@@ -399,7 +399,59 @@ def test_block_not_a_multiple_of_the_slot(tokenizer):
         decode(converted_model(tokenizer), tokenizer, PROMPTS[0], block_size=6)
 
 
-@pytest.mark.parametrize("key,value", [("mode", "beam"), ("plan_scope", "half"), ("slot_size", 0)])
+def test_ar_first_token_needs_one_slot_per_block(tokenizer):
+    with pytest.raises(ConfigError, match="decoder.first_token.*block_size"):
+        decode(converted_model(tokenizer), tokenizer, PROMPTS[0], block_size=8, first_token="ar")
+
+
+@pytest.mark.parametrize("key,value", [("mode", "beam"), ("plan_scope", "half"), ("slot_size", 0),
+                                       ("first_token", "plan")])
 def test_bad_choices(tokenizer, key, value):
     with pytest.raises(ConfigError, match=f"decoder.{key}"):
         ReFusionDecoder(ReFusionDecoderConfig(**{key: value}), tokenizer)
+
+
+# --- first_token=ar: the slot's first token from the AR head ------------------------------------
+
+
+def naive_next(model, tokenizer, tokens):
+    """Argmax next token of a plain causal forward over ``tokens`` (``<|mask|>`` excluded, as the decoder)."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens])).logits[0, -1].clone()
+    logits[tokenizer.convert_tokens_to_ids(MASK_TOKEN)] = float("-inf")
+    return int(logits.argmax())
+
+
+def naive_greedy(model, tokenizer, prompt, max_new_tokens=24):
+    out = []
+    while len(out) < max_new_tokens and EOS not in out:
+        out.append(naive_next(model, tokenizer, prompt + out))
+    return out
+
+
+@pytest.mark.parametrize("kv_reuse", [True, False])
+@pytest.mark.parametrize("threshold", [0.5, 0.9])
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_ar_first_token_with_thresholds_from_one_half_is_own_ar_greedy(tokenizer, prompt, threshold, kv_reuse):
+    model = converted_model(tokenizer, seed=3)
+    result = decode(model, tokenizer, prompt, threshold=threshold, kv_reuse=kv_reuse, block_size=4, first_token="ar")
+    assert result.tokens == naive_greedy(model, tokenizer, prompt)
+    assert_valid(result, tokenizer)
+
+
+@pytest.mark.parametrize("fuse_plan", [True, False])
+@pytest.mark.parametrize("kv_reuse", [True, False])
+def test_ar_first_token_after_wholesale_acceptance(tokenizer, kv_reuse, fuse_plan):
+    """Low thresholds accept drafts wholesale (the first token then comes from the verify forward's
+    last row, or with fuse_plan from the fused plan): every slot's first token is still the argmax of a
+    plain forward over the text before it."""
+    model = converted_model(tokenizer, seed=1)
+    for prompt in PROMPTS:
+        result = decode(model, tokenizer, prompt, threshold=1e-6, kv_reuse=kv_reuse, fuse_plan=fuse_plan,
+                        block_size=4, first_token="ar")
+        assert result.stats["wholesale_steps"] >= 2
+        assert_valid(result, tokenizer)
+        for start in range(0, len(result.tokens), 4):
+            assert result.tokens[start] == naive_next(model, tokenizer, prompt + result.tokens[:start]), start
+        if fuse_plan:
+            assert result.stats["plans_fused"] >= 1

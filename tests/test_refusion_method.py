@@ -63,6 +63,7 @@ def test_collate_is_a_function_of_the_step():
         ({"mdm_norm": "sum"}, r"recipe.mdm_norm"),
         ({"mdm_lambda": -1.0}, r"recipe.mdm_lambda"),
         ({"in_order_prob": 1.5}, r"recipe.in_order_prob"),
+        ({"suffix_mask_prob": -0.1}, r"recipe.suffix_mask_prob"),
     ],
 )
 def test_bad_recipe_values_are_named(overrides, match):

@@ -41,6 +41,17 @@ that way, step t + 1 takes its drafts and scores from those rows (sampled only t
 stream is the same) and runs no plan forward: the same tokens (tested, both KV modes), one forward
 fewer. Otherwise the extra rows are discarded with the verify K/V they came with.
 
+**First token from the AR head** (``first_token=ar``; not in the paper or the SPEC, where the plan's
+mask drafts and scores it): with one slot per block (b = k) every slot starts right after the
+committed text, whose last token's row is the AR head's prediction of the slot's first token. That
+row comes from the plan forward (the pending token; with recomputation, the last context entry) or,
+after wholesale acceptance, from the verify forward's last accepted token; it replaces the mask's
+draft and score of the first token. Verification then checks the rest of the slot as before, so with
+greedy drafts and thresholds >= 0.5 (an accepted probability is then the argmax) every output token is
+the AR head's argmax: the output is the checkpoint's own AR greedy decode, and the masks only decide
+how many tokens one step commits. It suits a conversion trained with ``recipe.ar_across_slots``,
+whose AR head is trained at slot starts.
+
 KV reuse: committed K/V are never recomputed. After the plan forward that consumed the pending
 tokens, the entries of the previous step are regrouped so that each completed slot's K/V are
 contiguous, in generation order (slots of one step in position order), every entry at its original
@@ -85,6 +96,7 @@ from models.loading import mask_token_id
 
 MODES = ("greedy", "sample")
 PLAN_SCOPES = ("all", "block")
+FIRST_TOKEN_SOURCES = ("mask", "ar")
 
 
 @dataclass
@@ -116,6 +128,12 @@ class ReFusionDecoderConfig(DecoderConfig):
     # selected slot is accepted whole; when that happens their predictions replace the next plan
     # forward (the same tokens, one forward fewer); false: every step has its own plan forward.
     fuse_plan: bool = True
+    # mask (the paper: a slot's first token is drafted and scored by its own mask) | ar (beyond the
+    # paper: by the AR head at the token before it, the next-token prediction of the committed text;
+    # needs block_size = slot size, so that every slot starts right after the committed text). With
+    # ar, greedy drafts and thresholds >= 0.5 every output token is the AR head's argmax: the output
+    # is the checkpoint's own AR greedy decode (tested).
+    first_token: str = "mask"
 
 
 def resolve_slot_size(model, slot_size: int | None) -> int:
@@ -152,8 +170,12 @@ class _Context:
     def __len__(self) -> int:
         return len(self.ids)
 
-    def forward(self, ids: list[int], pos: list[int], groups: list[int]) -> torch.Tensor:
-        """Feed the entries after the context; they join it. Returns their logits ``[q, V]``."""
+    def forward(self, ids: list[int], pos: list[int], groups: list[int], context_rows: int = 0) -> torch.Tensor:
+        """Feed the entries after the context; they join it. Returns their logits ``[q, V]``, after
+        those of the last ``context_rows`` context entries (recomputation only: with KV reuse the
+        context is not recomputed)."""
+        if context_rows and self.kv_reuse:
+            raise ValueError("with KV reuse a forward has no logits for cached context entries")
         n, q = len(self.ids), len(ids)
         self.ids, self.pos, self.groups = self.ids + ids, self.pos + pos, self.groups + groups
         all_groups = torch.tensor([self.groups], dtype=torch.long, device=self.device)  # [1, n+q]
@@ -170,9 +192,9 @@ class _Context:
         out = self.model(
             input_ids=torch.tensor([self.ids], device=self.device),
             position_ids=torch.tensor([self.pos], device=self.device),
-            attention_mask=mask, use_cache=False, logits_to_keep=q,
+            attention_mask=mask, use_cache=False, logits_to_keep=q + context_rows,
         )
-        return out.logits[0]  # [q, V]
+        return out.logits[0]  # [context_rows + q, V]
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` entries."""
@@ -248,6 +270,9 @@ class ReFusionDecoder(PerSampleDecoder):
             raise ConfigError(f"config key 'decoder.mode' = {cfg.mode!r}; expected one of {MODES}")
         if cfg.plan_scope not in PLAN_SCOPES:
             raise ConfigError(f"config key 'decoder.plan_scope' = {cfg.plan_scope!r}; expected one of {PLAN_SCOPES}")
+        if cfg.first_token not in FIRST_TOKEN_SOURCES:
+            raise ConfigError(f"config key 'decoder.first_token' = {cfg.first_token!r}; expected one of "
+                              f"{FIRST_TOKEN_SOURCES}")
         self.plan_threshold = cfg.threshold if cfg.plan_threshold is None else cfg.plan_threshold
         self.verify_threshold = cfg.threshold if cfg.verify_threshold is None else cfg.verify_threshold
         for key, value in (("threshold", cfg.threshold), ("plan_threshold", self.plan_threshold),
@@ -304,6 +329,10 @@ class ReFusionDecoder(PerSampleDecoder):
         block = self.cfg.block_size or length
         if self.cfg.block_size is not None and block % k:
             raise ConfigError(f"config key 'decoder.block_size' = {block} is not a multiple of the slot size k = {k}")
+        ar_first = self.cfg.first_token == "ar"
+        if ar_first and block != k:
+            raise ConfigError(f"config key 'decoder.first_token' = 'ar' needs decoder.block_size = the slot size k = {k} "
+                              f"(got {block}): only then does every slot start right after the committed text")
         device = model_device(model)
         generator = torch.Generator(device=device).manual_seed(seed)
         n_prompt = len(prompt)
@@ -312,6 +341,7 @@ class ReFusionDecoder(PerSampleDecoder):
         stats = {"slot_size": k, "steps": 0, "slots_accepted": 0, "wholesale_steps": 0, "plan_forwards": 0,
                  "verify_forwards": 0, "complete_forwards": 0, "verify_reused": 0, "plans_fused": 0}
         fused = None  # (slot indices, end, probs [m, V]) of the next plan, from the last verify forward
+        ar_next = None  # first_token=ar: (offset, probs [V]) of the AR head's prediction after the committed text
 
         # 1. Prefill prompt[:-1]; the last prompt token is the first pending token.
         ctx = _Context(model, prompt[:-1], self.cfg.kv_reuse)
@@ -336,13 +366,22 @@ class ReFusionDecoder(PerSampleDecoder):
                     stats["plans_fused"] += 1
                 else:
                     mask_pos = [n_prompt + o for _, offsets in spans for o in offsets]
+                    # first_token=ar, recomputation: also the row of the last context entry
+                    context_rows = int(ar_first and not self.cfg.kv_reuse)
+                    lead = [(ctx.ids[-1], ctx.pos[-1])] if context_rows else [(p[0], p[1]) for p in pending]
                     logits = ctx.forward([p[0] for p in pending] + [mask_id] * len(mask_pos),
                                          [p[1] for p in pending] + mask_pos,
-                                         [p[2] for p in pending] + [SHARED] * len(mask_pos))
+                                         [p[2] for p in pending] + [SHARED] * len(mask_pos), context_rows)
                     stats["plan_forwards"] += 1
-                    probs = self._probs(logits[len(pending):], mask_id)  # [m, V]
+                    if ar_first and lead:  # the last token before the masks predicts the slot's first one
+                        ar_next = (lead[-1][1] + 1 - n_prompt, self._probs(logits[len(lead) - 1: len(lead)], mask_id)[0])
+                    probs = self._probs(logits[len(lead):], mask_id)  # [m, V]
                     ctx.crop(len(ctx) - len(mask_pos))  # drop the masks, keep the pending tokens
                 fused = None
+                if ar_first:  # the first planned slot starts right after the committed text (b = k)
+                    if ar_next is None or ar_next[0] != spans[0][0].start:
+                        raise RuntimeError(f"no AR prediction for offset {spans[0][0].start} (have {ar_next and ar_next[0]})")
+                    probs[0] = ar_next[1]
                 tokens = self._pick(probs, generator)  # [m]
                 token_probs = probs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
                 drafts, first_prob, row = {}, {}, 0
@@ -388,6 +427,8 @@ class ReFusionDecoder(PerSampleDecoder):
                     ctx.crop(base_len + covered)
                     done = {s.index: list(drafts[s.index]) for s in selected[:whole]}
                     stats["wholesale_steps"] += 1
+                    if ar_first:  # the last accepted token's row: the next slot's first token
+                        ar_next = (selected[whole - 1].start + len(drafts[selected[whole - 1].index]), probs[covered - 1])
                     if ahead and whole == len(selected):  # used only if EOS leaves the target as it is
                         fused = ([s.index for s in ahead], end, self._probs(logits[len(ids):], mask_id))
                 else:
