@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import held_out_rows, identical
+from benchmarks.common import held_out_rows, identical, invoked_command, write_results
 from inference.checkpoint import load_checkpoint
 from inference.decoders.isd import introspective_ratios, resolve_stride
 from inference.evaluate import evaluate
@@ -113,13 +113,7 @@ def main() -> None:
     ]
     md = "\n".join(lines)
     print(md)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(
-        f"Command: python -m benchmarks.idlm_isd --base {args.base} --idlm {args.idlm}"
-        + (f" --risd {args.risd}" if args.risd else "")
-        + f" --num-samples {args.num_samples} --max-new-tokens {args.max_new_tokens}\n\n{md}\n")
-    out.with_suffix(".json").write_text(json.dumps(table, indent=2))
+    write_results(args.out, invoked_command("benchmarks.idlm_isd"), md, table)
 
 
 if __name__ == "__main__":

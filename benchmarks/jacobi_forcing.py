@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
 import sys
 import time
@@ -55,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from benchmarks.common import held_out_rows, identical
+from benchmarks.common import held_out_rows, identical, invoked_command, write_results
 from common.errors import ConfigError
 from data_pipelines.config import DataConfig
 from data_pipelines.jacobi_batch import build_jacobi_batch
@@ -327,12 +326,8 @@ def main() -> None:
     ]
     md = "\n".join(lines)
     print(md)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    command = "python -m benchmarks.jacobi_forcing " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    out.with_suffix(".md").write_text(f"Command: {command}\n\n{md}\n")
-    out.with_suffix(".json").write_text(json.dumps({"command": command, "decoding": table,
-                                                    "training_efficiency": efficiency}, indent=2))
+    command = invoked_command("benchmarks.jacobi_forcing")
+    write_results(args.out, command, md, {"command": command, "decoding": table, "training_efficiency": efficiency})
 
 
 if __name__ == "__main__":

@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import sys
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import held_out_rows, identical, validation_rows
+from benchmarks.common import held_out_rows, identical, invoked_command, validation_rows, write_results
 from inference.checkpoint import load_checkpoint
 from inference.decoders.mdm_common import default_block_size, mdm_info
 from inference.evaluate import evaluate
@@ -137,14 +135,10 @@ def main() -> None:
     ]
     md = "\n".join(lines)
     print(md)
-    command = "python -m benchmarks.mdm_flashdlm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     split = "test split" if args.split == "test" else "validation split"
-    out.with_suffix(".md").write_text(
-        f"Command: {command}\n\n{len(eval_rows)} problems ({split}), generation length {args.gen_length}, "
-        f"block {args.block_size}, batch 1, CPU ({args.threads} threads).\n\n{md}\n")
-    out.with_suffix(".json").write_text(json.dumps(table, indent=2))
+    write_results(args.out, invoked_command("benchmarks.mdm_flashdlm"),
+                  f"{len(eval_rows)} problems ({split}), generation length {args.gen_length}, "
+                  f"block {args.block_size}, batch 1, CPU ({args.threads} threads).\n\n{md}", table)
 
 
 if __name__ == "__main__":

@@ -32,13 +32,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import sys
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import held_out_rows, identical, validation_rows
+from benchmarks.common import held_out_rows, identical, invoked_command, validation_rows, write_results
 from inference.checkpoint import load_checkpoint
 from inference.decoders.refusion import resolve_slot_size
 from inference.evaluate import evaluate
@@ -173,9 +171,8 @@ def main() -> None:
         "kv_reuse_tps_1.5x_recompute": reuse["tps"] >= 1.5 * recompute["tps"],
         "kv_reuse_accuracy_within_1_point_of_recompute": abs(reuse["accuracy"] - recompute["accuracy"]) <= 0.01 + 1e-9,
     }
-    command = "python -m benchmarks.refusion " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    md = (
-        f"Command: {command}\n\n"
+    command = invoked_command("benchmarks.refusion")
+    body = (
         f"Validation split ({args.num_val} problems of the generator's val split; setting chosen here: "
         f"{label(chosen)}, {rule}):\n\n{markdown(val)}\n\n"
         f"Test split ({args.num_samples} held-out problems):\n\n{markdown(test)}\n\n"
@@ -183,16 +180,13 @@ def main() -> None:
         f"{'met' if goals['tpf_2.5_within_2_points'] else 'NOT met'}; KV reuse >= 1.5x the TPS of recomputation "
         f"at {label(chosen)}: {'met' if goals['kv_reuse_tps_1.5x_recompute'] else 'NOT met'} "
         f"({reuse['tps'] / recompute['tps']:.2f}x), accuracy within 1 point of it: "
-        f"{'met' if goals['kv_reuse_accuracy_within_1_point_of_recompute'] else 'NOT met'}.\n"
+        f"{'met' if goals['kv_reuse_accuracy_within_1_point_of_recompute'] else 'NOT met'}."
     )
-    print(md)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(md)
-    out.with_suffix(".json").write_text(json.dumps({
+    print(f"Command: {command}\n\n{body}")
+    write_results(args.out, command, body, {
         "command": command, "chosen_block_size": block, "chosen_threshold": tau,
         "chosen_first_token": chosen["first_token"], "chosen_label": label(chosen),
-        "choice_rule": rule, "validation": val, "test": test, "goals": goals}, indent=2))
+        "choice_rule": rule, "validation": val, "test": test, "goals": goals})
 
 
 if __name__ == "__main__":
