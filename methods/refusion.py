@@ -3,10 +3,14 @@
 Per micro-batch (``data_pipelines.refusion_batch``): each sample's answer (response + EOS) is cut
 into slots of a size k drawn from ``recipe.slot_sizes``; some slots are masked (``masking``:
 ``count`` = exactly max(1, floor(tK)), the paper; ``bernoulli`` = per slot, the official code; with
-probability ``suffix_mask_prob`` as many slots at the end of the answer instead); the clean slots are permuted (or, with probability ``in_order_prob``, kept in order) and placed before
-the masked ones, every token at its original position id; one forward with the causal-over-buffer
-mask (``masks.refusion``, always explicit; FlexAttention on GPU, never flash-attn's position-id
-packing); L = L_ARM + lambda * L_MDM (``losses.refusion``, ``mdm_norm`` = mean | llada).
+probability ``suffix_mask_prob`` as many slots at the end of the answer instead); the clean slots
+are permuted (or, with probability ``in_order_prob``, kept in order) and placed before the masked
+ones, every token at its original position id; one forward with the causal-over-buffer mask
+(``masks.refusion``, always explicit; FlexAttention on GPU, never flash-attn's position-id
+packing); L = L_ARM + lambda * L_MDM (``losses.refusion``, ``mdm_norm`` = mean | llada). L_ARM's
+targets stay inside a slot (the paper) unless ``ar_across_slots`` also gives a token the next slot's
+first token where that slot follows it in the buffer. ``suffix_mask_prob``, ``in_order_prob`` and
+``ar_across_slots`` go beyond the paper and are off by default.
 
 Randomness: the trainer calls :meth:`begin_step` before each optimiser step; sample i of
 micro-batch m of step t uses the layout seed (``recipe.seed``, t, m, dataset index), so resuming at
