@@ -455,3 +455,15 @@ def test_ar_first_token_after_wholesale_acceptance(tokenizer, kv_reuse, fuse_pla
             assert result.tokens[start] == naive_next(model, tokenizer, prompt + result.tokens[:start]), start
         if fuse_plan:
             assert result.stats["plans_fused"] >= 1
+
+
+@pytest.mark.parametrize("threshold", [0.05, 0.5, 1.0])
+def test_ar_first_token_sampled_is_valid_and_the_same_with_kv_reuse(tokenizer, threshold):
+    """Sample mode: the first token is drawn from the AR head's (transformed) distribution; outputs
+    are valid, and KV reuse draws exactly what recomputation does at b = k with the same seed."""
+    model = converted_model(tokenizer, seed=2)
+    for prompt, seed in itertools.product(PROMPTS, [0, 1]):
+        runs = [decode(model, tokenizer, prompt, seed=seed, threshold=threshold, block_size=4, first_token="ar",
+                       mode="sample", temperature=1.5, kv_reuse=kv_reuse) for kv_reuse in (True, False)]
+        assert runs[0].tokens == runs[1].tokens
+        assert_valid(runs[0], tokenizer)
