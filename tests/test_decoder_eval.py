@@ -15,3 +15,10 @@ def test_specs_become_batch_one_configs_with_the_default_length():
 def test_bad_specs_are_named(spec):
     with pytest.raises(ConfigError, match="--decoder"):
         decoder_configs([spec], 64)
+
+
+def test_mean_stats_averages_numeric_entries_per_sample():
+    from benchmarks.decoder_eval import mean_stats
+    records = [{"stats": {"remasks": 2, "steps": 10, "override": True, "mode": "x"}},
+               {"stats": {"remasks": 0, "steps": 14, "capped": 3}}]
+    assert mean_stats(records) == {"capped": 1.5, "remasks": 1.0, "steps": 12.0}
