@@ -39,6 +39,13 @@ def validation_rows(num_samples: int):
     return datasets.Dataset.from_list(generate_split(cfg, "val"))
 
 
+def split_rows(split: str, num_samples: int):
+    """The first ``num_samples`` problems of ``split``: ``val`` (tuning) or ``test`` (held out)."""
+    if split not in ("val", "test"):
+        raise ValueError(f"split must be 'val' or 'test', got {split!r}")
+    return validation_rows(num_samples) if split == "val" else held_out_rows(num_samples)
+
+
 def invoked_command(module: str) -> str:
     """``python -m <module> <this process's arguments>``, quoted as a shell would need them."""
     return f"python -m {module} " + " ".join(shlex.quote(a) for a in sys.argv[1:])

@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from benchmarks.common import held_out_rows, validation_rows
+from benchmarks.common import split_rows
 from common.errors import ConfigError
 from inference.checkpoint import load_checkpoint
 from inference.evaluate import evaluate
@@ -55,7 +55,7 @@ def main() -> None:
     a = p.parse_args()
     configs = decoder_configs(a.decoder, a.max_new_tokens)
     torch.set_num_threads(1)
-    rows = validation_rows(a.num) if a.split == "val" else held_out_rows(a.num)
+    rows = split_rows(a.split, a.num)
     model, tok = load_checkpoint(a.model, device="cpu")
     for cfg in configs:
         result = evaluate(model, tok, rows, cfg, agreement=False, shard=False)

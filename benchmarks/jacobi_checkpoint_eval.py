@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from benchmarks.common import held_out_rows, identical, validation_rows
+from benchmarks.common import identical, split_rows
 from inference.checkpoint import load_checkpoint
 from inference.evaluate import evaluate
 
@@ -33,7 +33,7 @@ def main() -> None:
     p.add_argument("--tag", default="")
     a = p.parse_args()
     torch.set_num_threads(2)
-    rows = validation_rows(a.num) if a.split == "val" else held_out_rows(a.num)
+    rows = split_rows(a.split, a.num)
     model, tok = load_checkpoint(a.model)
     common = {"max_new_tokens": 96, "batch_size": 1}
     out = {"tag": a.tag, "model": a.model, "split": a.split}

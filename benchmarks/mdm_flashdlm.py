@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import held_out_rows, identical, invoked_command, validation_rows, write_results
+from benchmarks.common import identical, invoked_command, split_rows, write_results
 from inference.checkpoint import load_checkpoint
 from inference.decoders.mdm_common import default_block_size, mdm_info
 from inference.evaluate import evaluate
@@ -80,7 +80,7 @@ def rows_config(args) -> list[tuple[str, str, str, dict | None]]:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    eval_rows = validation_rows(args.num_samples) if args.split == "val" else held_out_rows(args.num_samples)
+    eval_rows = split_rows(args.split, args.num_samples)
     models = {"base": load_checkpoint(args.base, device="cpu"), "mdm": load_checkpoint(args.mdm, device="cpu")}
     guide = models["base"][0]
     if args.block_size is None:

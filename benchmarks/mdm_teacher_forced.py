@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import held_out_rows, invoked_command, validation_rows, write_results
+from benchmarks.common import invoked_command, split_rows, write_results
 from inference.checkpoint import load_checkpoint
 from inference.decoders.mdm_common import mdm_info
 from inference.decoders.mdm_guided import check_guide_tokenizer
@@ -99,7 +99,7 @@ def score(rows, tok, guess) -> dict:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    rows = validation_rows(args.num_samples) if args.split == "val" else held_out_rows(args.num_samples)
+    rows = split_rows(args.split, args.num_samples)
     base, tok = load_checkpoint(args.base, device="cpu", dtype="float32")
     mdm, mdm_tok = load_checkpoint(args.mdm, device="cpu", dtype="float32")
     check_guide_tokenizer(base, mdm_tok)  # the base must share the MDM's tokenizer, <|mask|> aside

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import held_out_rows, invoked_command, validation_rows, write_results
+from benchmarks.common import invoked_command, split_rows, write_results
 from benchmarks.mdm_teacher_forced import ar_guesses, prompt_and_answer
 from inference.checkpoint import load_checkpoint
 from inference.decoders.refusion import resolve_slot_size
@@ -84,7 +84,7 @@ def slot_position_accuracy(guesses: Sequence[Sequence[int]], answers: Sequence[S
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    rows = validation_rows(args.num_samples) if args.split == "val" else held_out_rows(args.num_samples)
+    rows = split_rows(args.split, args.num_samples)
     base, tok = load_checkpoint(args.base, device="cpu", dtype="float32")
     refusion, refusion_tok = load_checkpoint(args.refusion, device="cpu", dtype="float32")
     k = resolve_slot_size(refusion, args.slot_size)
