@@ -15,7 +15,7 @@ Per sample (``input_ids`` = prompt + response + EOS, ``prompt_len`` = P; the *an
    clean slots in that order | masked slots in position order]``, each masked token replaced by
    ``<|mask|>``; every token keeps its original position id (prompt 0..P-1, answer token a at P + a).
 
-Labels (``-100`` = ignored; nothing crosses a slot, let alone a sample)::
+Labels (``-100`` = ignored; by default nothing crosses a slot, and never a sample)::
 
     answer a0..a5 (P = 2), k = 2: slots S0 = a0 a1, S1 = a2 a3, S2 = a4 a5; S1 masked; order S2, S0
     buffer        p0   p1   a4   a5   a0   a1   M    M
@@ -28,9 +28,11 @@ masked token (Eq. 2, no logit shift). With ``ar_across_slots`` (beyond the paper
 token whose buffer successor is also its position successor (the prompt's last token before slot
 0, a clean slot's last token before the next slot kept in order) also predicts that successor: the
 plain next-token target, so slot starts keep an AR signal (above nothing changes; with the clean
-order S0, S2 instead, p1 would also predict a0, and a1 still nothing since S1 is masked). For ``mdm_norm=llada`` each sample also gets the weight
-``1 / (p_mask * A)`` of its masked tokens (LLaDA: sum CE / p_mask / answer_len / B), with p_mask the
-Bernoulli probability, or for count masking the masked fraction of slots.
+order S0, S2 instead, p1 would also predict a0, and a1 still nothing since S1 is masked).
+
+For ``mdm_norm=llada`` each sample also gets the weight ``1 / (p_mask * A)`` of its masked tokens
+(LLaDA: sum CE / p_mask / answer_len / B), with p_mask the Bernoulli probability, or for count
+masking the masked fraction of slots.
 
 Randomness: each sample draws from its own ``random.Random(seed)``; the method derives the seed
 from (recipe seed, optimiser step, micro-batch, dataset index) (:func:`layout_seed`), so a resumed

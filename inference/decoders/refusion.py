@@ -331,8 +331,8 @@ class ReFusionDecoder(PerSampleDecoder):
             raise ConfigError(f"config key 'decoder.block_size' = {block} is not a multiple of the slot size k = {k}")
         ar_first = self.cfg.first_token == "ar"
         if ar_first and block != k:
-            raise ConfigError(f"config key 'decoder.first_token' = 'ar' needs decoder.block_size = the slot size k = {k} "
-                              f"(got {block}): only then does every slot start right after the committed text")
+            raise ConfigError(f"config key 'decoder.first_token' = 'ar' needs decoder.block_size = the slot size "
+                              f"k = {k} (got {block}): only then does every slot start right after the committed text")
         device = model_device(model)
         generator = torch.Generator(device=device).manual_seed(seed)
         n_prompt = len(prompt)
@@ -374,13 +374,15 @@ class ReFusionDecoder(PerSampleDecoder):
                                          [p[2] for p in pending] + [SHARED] * len(mask_pos), context_rows)
                     stats["plan_forwards"] += 1
                     if ar_first and lead:  # the last token before the masks predicts the slot's first one
-                        ar_next = (lead[-1][1] + 1 - n_prompt, self._probs(logits[len(lead) - 1: len(lead)], mask_id)[0])
+                        ar_probs = self._probs(logits[len(lead) - 1: len(lead)], mask_id)[0]  # [V]
+                        ar_next = (lead[-1][1] + 1 - n_prompt, ar_probs)
                     probs = self._probs(logits[len(lead):], mask_id)  # [m, V]
                     ctx.crop(len(ctx) - len(mask_pos))  # drop the masks, keep the pending tokens
                 fused = None
                 if ar_first:  # the first planned slot starts right after the committed text (b = k)
                     if ar_next is None or ar_next[0] != spans[0][0].start:
-                        raise RuntimeError(f"no AR prediction for offset {spans[0][0].start} (have {ar_next and ar_next[0]})")
+                        have = ar_next and ar_next[0]
+                        raise RuntimeError(f"no AR prediction for offset {spans[0][0].start} (have {have})")
                     probs[0] = ar_next[1]
                 tokens = self._pick(probs, generator)  # [m]
                 token_probs = probs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
@@ -428,7 +430,8 @@ class ReFusionDecoder(PerSampleDecoder):
                     done = {s.index: list(drafts[s.index]) for s in selected[:whole]}
                     stats["wholesale_steps"] += 1
                     if ar_first:  # the last accepted token's row: the next slot's first token
-                        ar_next = (selected[whole - 1].start + len(drafts[selected[whole - 1].index]), probs[covered - 1])
+                        last = selected[whole - 1]
+                        ar_next = (last.start + len(drafts[last.index]), probs[covered - 1])
                     if ahead and whole == len(selected):  # used only if EOS leaves the target as it is
                         fused = ([s.index for s in ahead], end, self._probs(logits[len(ids):], mask_id))
                 else:
