@@ -182,10 +182,15 @@ def main() -> None:
     p.add_argument("--profile", type=int, default=None, metavar="TOKENS",
                    help="first profile one I-DLM step per backend at this many tokens")
     p.add_argument("--out", default=str(RESULTS / "mask_backends"))
+    p.add_argument("--flex-choice", default=None, metavar="JSON",
+                   help="pardec_flex's kernel choice, a file written by benchmarks.flex_kernels --best-out")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("mask_backends needs a CUDA GPU (FlexAttention has no CPU backward)")
     flex_attention.register()
+    choice = json.loads(Path(args.flex_choice).read_text()) if args.flex_choice else None
+    if choice:
+        flex_attention.configure(choice["kernel_options"], choice["compile_mode"])
     # Every (mask predicate, row length) compiles its own BlockMask builder and static flex kernel:
     # 2 recipes x 4 lengths go past dynamo's default of 8 compiles per function, after which it would
     # silently fall back to eager (unfused) attention.
@@ -201,7 +206,10 @@ def main() -> None:
         profile_steps(model, move_batch(idlm_batch(args.profile, g), "cuda"), args.profile, args.backends, out)
     command = (f"python -m benchmarks.mask_backends --lengths {' '.join(map(str, args.lengths))} "
                f"--recipes {' '.join(args.recipes)} --backends {' '.join(args.backends)} "
-               f"--steps {args.steps} --warmup {args.warmup}")
+               f"--steps {args.steps} --warmup {args.warmup}"
+               + (f" --flex-choice {args.flex_choice}" if args.flex_choice else ""))
+    flex_note = (f" pardec flex runs kernel choice {choice['name']!r} (kernel_options {choice['kernel_options']}, "
+                 f"compile mode {choice['compile_mode']})." if choice else "")
     rows = []
     for recipe in args.recipes:
         label, build = RECIPES[recipe]
@@ -221,9 +229,10 @@ def main() -> None:
             md = markdown(rows, args.backends)
             out.with_suffix(".md").write_text(
                 f"Command: {command}\nDevice: {device}, torch {torch.__version__}, bf16, random Qwen2.5-0.5B-shaped "
-                f"model, batch 1 row.\n\n{md}\n")
+                f"model, batch 1 row.{flex_note}\n\n{md}\n")
             out.with_suffix(".json").write_text(
-                json.dumps({"device": device, "torch": torch.__version__, "command": command, "rows": rows}, indent=2))
+                json.dumps({"device": device, "torch": torch.__version__, "command": command, "flex_choice": choice,
+                            "rows": rows}, indent=2))
     print(md)
     from torch._dynamo.utils import counters
 

@@ -19,11 +19,17 @@ registered with transformers' ``AttentionInterface``. It differs from transforme
 Each distinct (batch, heads, query length, key length) compiles once; training packs rows to a fixed
 length, so a run compiles once. Without a ``BlockMask`` (a model called with no mask) it builds
 transformers' causal ``BlockMask``, like the built-in entry.
+
+:func:`configure` sets FlexAttention's ``kernel_options`` (tile sizes, warps, stages, TMA; passed to
+torch as they are, so torch names a key it does not know) and the ``torch.compile`` mode for every
+later call; training sets them from ``model.flex_kernel_options`` and ``model.flex_compile_mode``.
+``benchmarks/flex_kernels.py`` measures the choices on a GPU.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Any, Mapping
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -33,9 +39,25 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flex_attent
 from masks.core import COMPILED_FLEX_BACKEND
 
 
+_KERNEL_OPTIONS: dict[str, Any] = {}
+_COMPILE_MODE: str | None = None
+
+
+def configure(kernel_options: Mapping[str, Any] | None = None, compile_mode: str | None = None) -> None:
+    """FlexAttention ``kernel_options`` and ``torch.compile`` mode for every later call (None: torch's
+    defaults for the GPU; e.g. ``{"BLOCK_M": 128, "BLOCK_N": 64}`` or mode
+    ``"max-autotune-no-cudagraphs"``)."""
+    global _COMPILE_MODE
+    _KERNEL_OPTIONS.clear()
+    _KERNEL_OPTIONS.update(kernel_options or {})
+    if compile_mode != _COMPILE_MODE:
+        _COMPILE_MODE = compile_mode
+        _compiled_flex_attention.cache_clear()
+
+
 @lru_cache(maxsize=1)
 def _compiled_flex_attention():
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=False, mode=_COMPILE_MODE)
 
 
 def compiled_flex_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -49,7 +71,8 @@ def compiled_flex_attention(module, query, key, value, attention_mask, scaling=N
             f"got {type(attention_mask).__name__}"
         )
     out = _compiled_flex_attention()(
-        query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+        query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+        kernel_options=dict(_KERNEL_OPTIONS) or None,
     )  # [b, h, q, d]
     return out.transpose(1, 2).contiguous(), None
 

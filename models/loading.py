@@ -20,7 +20,7 @@ import logging
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
@@ -73,6 +73,19 @@ def resolve_attn_implementation(name: str, on_gpu: bool, needs_custom_mask: bool
             f"model.attn_implementation={name} needs a CUDA GPU (FlexAttention has no CPU backward); use sdpa on CPU"
         )
     return name
+
+
+def configure_flex_attention(model_cfg, attn_implementation: str) -> None:
+    """``model.flex_kernel_options`` / ``model.flex_compile_mode`` into ``models.flex_attention``; they
+    only mean something for ``attn_implementation=pardec_flex`` (:class:`ConfigError` naming the key
+    otherwise)."""
+    options, mode = model_cfg.flex_kernel_options, model_cfg.flex_compile_mode
+    for key, value in (("model.flex_kernel_options", options), ("model.flex_compile_mode", mode)):
+        if value is not None and attn_implementation != COMPILED_FLEX_BACKEND:
+            raise ConfigError(f"config key '{key}' = {value!r} needs attn_implementation={COMPILED_FLEX_BACKEND}; "
+                              f"this run uses {attn_implementation!r}")
+    options = OmegaConf.to_container(options) if isinstance(options, DictConfig) else options
+    flex_attention.configure(options, mode)
 
 
 def check_attn_implementation(name: str, key: str) -> None:

@@ -3,8 +3,10 @@
 On GPU: a tiny model with grouped-query attention at a head ratio that is not a power of two
 (6 query heads, 2 K/V heads) runs a packed I-DLM row and a Jacobi Forcing row; logits and every
 parameter gradient equal those of the same model with SDPA and the dense float mask of the same
-predicate, and a second row length (a second static compile) does too. On CPU: the registration,
-the choice of backend and the named errors.
+predicate, and a second row length (a second static compile) does too, with torch's kernel
+choice and with other tile sizes (``models.flex_attention.configure``). On CPU: the registration,
+the choice of backend, that configured kernel options and compile mode reach the compiled call, and
+the named errors.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from data_pipelines.idlm_batch import build_idlm_batch
 from data_pipelines.jacobi_batch import build_jacobi_batch
 from masks.core import COMPILED_FLEX_BACKEND, causal_document_spec, dense_additive_mask
 from methods.base import forward_logits, move_batch
+from models import flex_attention
 from models.flex_attention import compiled_flex_attention
-from models.loading import check_attn_implementation, resolve_attn_implementation
+from models.loading import check_attn_implementation, configure_flex_attention, resolve_attn_implementation
 
 VOCAB = 64
 
@@ -61,10 +64,63 @@ def test_pardec_flex_rejects_a_dense_mask():
         compiled_flex_attention(None, q, q, q, dense_additive_mask(spec))
 
 
+def test_configured_kernel_options_and_mode_reach_the_compiled_call(monkeypatch):
+    compiled, calls = [], []
+
+    def fake_compile(fn, dynamic, mode):
+        compiled.append((fn, dynamic, mode))
+        return lambda *args, **kwargs: calls.append(kwargs) or args[0]
+
+    monkeypatch.setattr(flex_attention.torch, "compile", fake_compile)
+    monkeypatch.setattr(flex_attention, "BlockMask", torch.Tensor)  # any object passes as the mask here
+    flex_attention._compiled_flex_attention.cache_clear()
+    q = torch.zeros(1, 2, 8, 4)
+    try:
+        flex_attention.configure({"BLOCK_M": 64, "BLOCK_N": 32}, "max-autotune-no-cudagraphs")
+        compiled_flex_attention(None, q, q, q, q)
+        flex_attention.configure()
+        compiled_flex_attention(None, q, q, q, q)
+    finally:
+        flex_attention.configure()
+        flex_attention._compiled_flex_attention.cache_clear()
+    assert [(dynamic, mode) for _, dynamic, mode in compiled] == [(False, "max-autotune-no-cudagraphs"), (False, None)]
+    assert calls[0]["kernel_options"] == {"BLOCK_M": 64, "BLOCK_N": 32}
+    assert calls[1]["kernel_options"] is None
+
+
+@pytest.mark.parametrize("key,value", [("flex_kernel_options", {"BLOCK_M": 64}), ("flex_compile_mode", "max-autotune")])
+def test_flex_kernel_choices_need_pardec_flex(key, value):
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"flex_kernel_options": None, "flex_compile_mode": None, key: value})
+    with pytest.raises(ConfigError, match=f"'model.{key}'.*needs attn_implementation=pardec_flex.*'sdpa'"):
+        configure_flex_attention(cfg, "sdpa")
+    try:
+        configure_flex_attention(cfg, COMPILED_FLEX_BACKEND)
+        if key == "flex_kernel_options":
+            assert flex_attention._KERNEL_OPTIONS == {"BLOCK_M": 64}
+        else:
+            assert flex_attention._COMPILE_MODE == "max-autotune"
+    finally:
+        flex_attention.configure()
+
+
+SMALL_TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernel_options", [None, SMALL_TILES], ids=["torch-default", "small-tiles"])
 @pytest.mark.parametrize("build", [idlm_row, jacobi_row], ids=["idlm", "jacobi"])
-def test_pardec_flex_equals_dense_sdpa_forward_and_backward(build):
+def test_pardec_flex_equals_dense_sdpa_forward_and_backward(build, kernel_options):
+    flex_attention.configure(kernel_options)
+    try:
+        check_against_dense_sdpa(build)
+    finally:
+        flex_attention.configure()
+
+
+def check_against_dense_sdpa(build) -> None:
     reference = tiny_model("sdpa").cuda()
     flex = tiny_model(COMPILED_FLEX_BACKEND).cuda()
     for length in (256, 384):  # a second length compiles a second static kernel

@@ -35,6 +35,11 @@ class ModelConfig:
     dtype: str = "auto"
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
+    # attn_implementation=pardec_flex only: FlexAttention kernel_options (e.g. {BLOCK_M: 128, BLOCK_N: 64})
+    # and torch.compile mode (e.g. max-autotune-no-cudagraphs); null = torch's defaults for the GPU.
+    # benchmarks/flex_kernels.py measures the choices.
+    flex_kernel_options: Optional[Dict[str, Any]] = None
+    flex_compile_mode: Optional[str] = None
 
 
 @dataclass
@@ -279,6 +284,8 @@ SAFE_TO_CHANGE_ON_RESUME = (
     "trainer.num_workers",
     "model.gradient_checkpointing",
     "model.attn_implementation",
+    "model.flex_kernel_options",
+    "model.flex_compile_mode",
     "deepspeed.overlap_comm",
     "deepspeed.contiguous_gradients",
     "deepspeed.reduce_bucket_size",

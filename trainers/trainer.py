@@ -30,7 +30,14 @@ from data_pipelines.sources import load_raw_split
 from data_pipelines.tokenize import tokenize_dataset
 from methods.base import move_batch
 from methods.registry import build_method
-from models.loading import check_max_positions, load_model, load_tokenizer, resolve_attn_implementation, resolve_dtype
+from models.loading import (
+    check_max_positions,
+    configure_flex_attention,
+    load_model,
+    load_tokenizer,
+    resolve_attn_implementation,
+    resolve_dtype,
+)
 from trainers.checkpoint import (
     CHECKPOINTS,
     CONFIG_FILE,
@@ -236,6 +243,7 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo, stop_dir: Path | None = No
     method = build_method(cfg.recipe, tokenizer)
     check_max_positions(cfg.model, *method.max_positions(cfg.data))  # before any data work
     attn_impl = resolve_attn_implementation(cfg.model.attn_implementation, on_gpu, method.needs_custom_mask)
+    configure_flex_attention(cfg.model, attn_impl)
     if not dist_info.is_main:
         barrier()
     tokenized = tokenize_dataset(load_raw_split(cfg.data, "train"), tokenizer, cfg.data, "train",
