@@ -51,6 +51,7 @@ CHOICES = [
     ("TMA", {"USE_TMA": True}, None),
     ("safe rows", {"ROWS_GUARANTEED_SAFE": True}, None),
     ("max-autotune", {}, "max-autotune-no-cudagraphs"),
+    ("autotuned", flex_attention.AUTOTUNED_HOPPER_HEAD_DIM_64, None),
 ]
 
 

@@ -39,6 +39,11 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flex_attent
 from masks.core import COMPILED_FLEX_BACKEND
 
 
+# The kernel choice torch.compile's max-autotune picked for head size 64 in bf16 on an H200 (a Jacobi
+# Forcing streams row of 16k tokens, benchmarks/results/flex_kernels_autotune.md): forward tiles of
+# 64 x 64, backward 32 x 64 / 64 x 32, 3 stages and 4 warps in both.
+AUTOTUNED_HOPPER_HEAD_DIM_64 = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64,
+                                "BLOCK_N2": 32, "num_stages": 3, "num_warps": 4}
 _KERNEL_OPTIONS: dict[str, Any] = {}
 _COMPILE_MODE: str | None = None
 

@@ -85,6 +85,9 @@ def configure_flex_attention(model_cfg, attn_implementation: str) -> None:
             raise ConfigError(f"config key '{key}' = {value!r} needs attn_implementation={COMPILED_FLEX_BACKEND}; "
                               f"this run uses {attn_implementation!r}")
     options = OmegaConf.to_container(options) if isinstance(options, DictConfig) else options
+    if options is not None and not isinstance(options, dict):
+        raise ConfigError(f"config key 'model.flex_kernel_options' = {options!r}; expected a mapping such as "
+                          "{BLOCK_M:64,BLOCK_N:64} or null")
     flex_attention.configure(options, mode)
 
 

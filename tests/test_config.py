@@ -74,3 +74,16 @@ def test_offload_needs_a_zero_stage():
     # refused at start (validation builds the DeepSpeed config), not when the engine is created
     with pytest.raises(ConfigError, match="offload_optimizer"):
         compose_train(["deepspeed.offload_optimizer=true"])
+
+
+def test_flex_kernel_options_compose_from_the_command_line_and_need_pardec_flex(tmp_path):
+    """The README's override gives a dict; a run that does not use pardec_flex (CPU: sdpa) stops before
+    training with an error naming the key."""
+    from tests.train_utils import run_in_process
+
+    override = "model.flex_kernel_options={BLOCK_M:64,BLOCK_N:64,num_stages:3,num_warps:4}"
+    cfg = compose_train([override])
+    assert dict(cfg.model.flex_kernel_options) == {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 3, "num_warps": 4}
+    with pytest.raises(ConfigError, match="'model.flex_kernel_options'.*needs attn_implementation=pardec_flex"):
+        run_in_process(["experiment=jacobi_forcing_default", override, f"output_dir={tmp_path}"])
+    assert not (tmp_path / "checkpoints").exists()

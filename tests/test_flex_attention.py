@@ -105,12 +105,10 @@ def test_flex_kernel_choices_need_pardec_flex(key, value):
         flex_attention.configure()
 
 
-SMALL_TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kernel_options", [None, SMALL_TILES], ids=["torch-default", "small-tiles"])
+@pytest.mark.parametrize("kernel_options", [None, flex_attention.AUTOTUNED_HOPPER_HEAD_DIM_64],
+                         ids=["torch-default", "autotuned-hopper"])
 @pytest.mark.parametrize("build", [idlm_row, jacobi_row], ids=["idlm", "jacobi"])
 def test_pardec_flex_equals_dense_sdpa_forward_and_backward(build, kernel_options):
     flex_attention.configure(kernel_options)
@@ -155,3 +153,11 @@ def test_jacobi_streams_layout_is_the_same_attention(mask, window):
     (interleaved, names_i), (streams, names_s) = attends("interleaved"), attends("streams")
     assert names_i != names_s and sorted(names_i) == sorted(names_s)  # the same tokens, moved
     assert interleaved == streams
+
+
+def test_flex_kernel_options_must_be_a_mapping():
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"flex_kernel_options": 64, "flex_compile_mode": None})
+    with pytest.raises(ConfigError, match="'model.flex_kernel_options' = 64; expected a mapping"):
+        configure_flex_attention(cfg, COMPILED_FLEX_BACKEND)

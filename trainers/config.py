@@ -37,8 +37,9 @@ class ModelConfig:
     trust_remote_code: bool = False
     # attn_implementation=pardec_flex only: FlexAttention kernel_options (e.g. {BLOCK_M: 128, BLOCK_N: 64})
     # and torch.compile mode (e.g. max-autotune-no-cudagraphs); null = torch's defaults for the GPU.
-    # benchmarks/flex_kernels.py measures the choices.
-    flex_kernel_options: Optional[Dict[str, Any]] = None
+    # benchmarks/flex_kernels.py measures the choices. (Any, not Dict: OmegaConf cannot merge a
+    # command-line dict into a None-valued typed Dict; models.loading checks it is a mapping.)
+    flex_kernel_options: Optional[Any] = None
     flex_compile_mode: Optional[str] = None
 
 
