@@ -16,7 +16,8 @@ per row. Columns, all on the same model and the same tokens:
 
 Times are medians over timed steps after warm-up steps (compilation happens in warm-up), with the
 device synchronised; memory is ``torch.cuda.max_memory_allocated`` of the cell's steps; a cell that
-runs out of memory is reported as such. ``--profile L`` also writes a ``torch.profiler`` table of one
+runs out of memory is reported as such. ``--flex-choice F`` runs ``pardec_flex`` with the kernel
+choice in ``F`` (``benchmarks.flex_kernels``). ``--profile L`` also writes a ``torch.profiler`` table of one
 I-DLM step per backend at ``L`` tokens. Writes ``benchmarks/results/mask_backends.{md,json}``.
 """
 
