@@ -26,6 +26,8 @@ import random
 import re
 from dataclasses import dataclass
 
+from omegaconf import OmegaConf
+
 SPLIT_NAMES = ("train", "test", "val")
 
 
@@ -120,6 +122,8 @@ def generate_split(cfg: SyntheticGSMConfig, split: str) -> list[dict]:
     response, answer. Test is drawn first, train excludes its prompts, val excludes both."""
     if split not in SPLIT_NAMES:
         raise ValueError(f"split must be one of {SPLIT_NAMES}, got {split!r}")
+    if not isinstance(cfg, SyntheticGSMConfig):  # an OmegaConf node: read once, not per attribute access
+        cfg = SyntheticGSMConfig(**OmegaConf.to_container(cfg))
     _check_config(cfg)
     test = _generate(cfg, cfg.num_test, random.Random(split_seed(cfg.seed, "test")), exclude=set())
     if split == "test":

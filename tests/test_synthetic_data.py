@@ -88,6 +88,17 @@ def test_deterministic_per_seed(splits: dict[str, list[dict]]) -> None:
     assert generate_split(other, "train")[:100] != splits["train"][:100]
 
 
+def test_a_config_node_gives_the_same_problems_as_the_dataclass(splits: dict[str, list[dict]]) -> None:
+    """Training and benchmarks pass an OmegaConf node (read once into the dataclass, not per access)."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(CFG)
+    assert generate_split(node, "test") == splits["test"]
+    assert generate_split(node, "train") == splits["train"]
+    assert generate_split(OmegaConf.create({**vars(CFG), "num_val": 7}), "val") == generate_split(
+        replace(CFG, num_val=7), "val")
+
+
 def test_independent_of_python_hash_seed(splits: dict[str, list[dict]]) -> None:
     code = (
         "from data_pipelines.synthetic_gsm import SyntheticGSMConfig, generate_split;"
