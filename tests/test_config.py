@@ -85,5 +85,5 @@ def test_flex_kernel_options_compose_from_the_command_line_and_need_pardec_flex(
     cfg = compose_train([override])
     assert dict(cfg.model.flex_kernel_options) == {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 3, "num_warps": 4}
     with pytest.raises(ConfigError, match="'model.flex_kernel_options'.*needs attn_implementation=pardec_flex"):
-        run_in_process(["experiment=jacobi_forcing_default", override, f"output_dir={tmp_path}"])
+        run_in_process(["recipe=idlm", override, f"output_dir={tmp_path}"])
     assert not (tmp_path / "checkpoints").exists()
