@@ -1,20 +1,22 @@
 # python -m benchmarks.flex_kernels --recipes jacobi_streams --lengths 8192 16384   (needs a CUDA GPU)
-"""One attention call alone, forward + backward: FlexAttention's kernel choices against cuDNN's causal kernel (GPU).
+"""One attention call alone, forward + backward: FlexAttention's kernel choices against SDPA's causal kernel (GPU).
 
 Where a structured-mask training step loses time to the plain causal floor, with the rest of the
 model taken away: one layer's attention of Qwen2.5-0.5B shape (14 query heads on 2 K/V heads, head
 size 64, bf16, batch 1) over one packed row of ``benchmarks.mask_backends``' recipes. Rows, each
 timed with CUDA events (median of ``--reps`` after ``--warmup`` calls, compilation in warm-up):
 
-* ``sdpa causal``: ``scaled_dot_product_attention(is_causal=True, enable_gqa=True)``, the kernel
-  the training benchmark's floor runs (cuDNN's flash kernel on Hopper);
+* ``sdpa causal``: ``scaled_dot_product_attention(is_causal=True, enable_gqa=True)``, plain causal
+  attention with SDPA's own kernel choice (the training benchmark's floor profiled as cuDNN's flash
+  kernel on an H100);
 * ``flex causal``: FlexAttention on a plain causal ``BlockMask``: flex's own kernel on the floor's
   tiles, so ``flex causal / sdpa causal`` is the kernel gap and the recipe rows show what the mask
   adds on top;
 * ``flex <recipe>, <choice>``: the recipe's ``BlockMask`` (``masks.core.flex_block_mask``) through
   ``models.flex_attention`` with each kernel choice of :data:`CHOICES` (``kernel_options`` and the
-  compile mode, :func:`models.flex_attention.configure`). A choice torch rejects is reported with
-  its error. ``max abs diff vs default`` compares output and input gradients with those of the first choice that ran.
+  compile mode, :func:`models.flex_attention.configure`; ``autotuned`` is
+  ``AUTOTUNED_HOPPER_HEAD_DIM_64``, max-autotune's pick on an H200). A choice torch rejects is
+  reported with its error. ``max abs diff vs default`` compares output and input gradients with those of the first choice that ran.
 
 The BlockMask build (once per training step, shared by the layers) is timed apart. ``--best-out``
 writes the fastest choice of kernel options (forward + backward, the recipe of ``--recipes``' first
