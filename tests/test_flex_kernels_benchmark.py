@@ -37,3 +37,15 @@ def test_markdown_renders_every_row_kind():
     assert "| J | 8192 | flex jacobi, TMA | InductorError: no |" in lines[5]
     assert lines[3].endswith("| 0.400 |  |  |  |")  # the mask build: once per step, not per layer
     assert "| 1.000 | 1.000 | 2.000 | 48.0 | 0.67 | 0 |" in lines[4]
+
+
+def test_the_saved_autotuned_choice_is_the_one_the_framework_names():
+    """``benchmarks/results/flex_kernels_best.json`` (what the README's mask_backends command reads) and
+    ``models.flex_attention.AUTOTUNED_HOPPER_HEAD_DIM_64`` were written apart: they must not drift."""
+    import json
+    from pathlib import Path
+
+    from models.flex_attention import AUTOTUNED_HOPPER_HEAD_DIM_64
+
+    saved = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/flex_kernels_best.json").read_text())
+    assert saved == {"name": "autotuned", "kernel_options": AUTOTUNED_HOPPER_HEAD_DIM_64, "compile_mode": None}
