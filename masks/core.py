@@ -120,15 +120,17 @@ def _compiled_create_block_mask():
     return torch.compile(create_block_mask, dynamic=False)
 
 
-def flex_block_mask(spec: AttentionSpec, compile: bool = True):
+def flex_block_mask(spec: AttentionSpec, compile: bool = True, block_size: int | None = None):
     """FlexAttention ``BlockMask`` from the same predicate (GPU path; compiled once, cached per shape
-    by ``torch.compile``'s shape specialisation)."""
+    by ``torch.compile``'s shape specialisation). ``block_size``: the side of its sparsity tiles
+    (None: torch's 128); the flex kernel's tiles must divide it."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     batch, seq = spec.shape
     device = next(iter(spec.metadata.values())).device
     build = _compiled_create_block_mask() if compile else create_block_mask
-    return build(spec.mask_mod(), batch, None, seq, seq, device=device)
+    tiles = {} if block_size is None else {"BLOCK_SIZE": block_size}
+    return build(spec.mask_mod(), batch, None, seq, seq, device=device, **tiles)
 
 
 def materialize(spec: AttentionSpec | None, attn_implementation: str, dtype: torch.dtype):

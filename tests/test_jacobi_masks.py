@@ -150,6 +150,9 @@ def test_flex_attention_matches_dense_on_cpu(name, rows, n, seq, window):
     torch.testing.assert_close(flex_attention(q, k, v, block_mask=tiled), expected, atol=1e-5, rtol=1e-5)
     default = flex_block_mask(spec, compile=False)
     torch.testing.assert_close(flex_attention(q, k, v, block_mask=default), expected, atol=1e-5, rtol=1e-5)
+    small = flex_block_mask(spec, compile=False, block_size=8)
+    assert small.BLOCK_SIZE == (8, 8)
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=small), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu
