@@ -21,8 +21,9 @@ length, so a run compiles once. Without a ``BlockMask`` (a model called with no 
 transformers' causal ``BlockMask``, like the built-in entry.
 
 :func:`configure` sets FlexAttention's ``kernel_options`` (tile sizes, warps, stages, TMA; passed to
-torch as they are, so torch names a key it does not know) and the ``torch.compile`` mode for every
-later call; training sets them from ``model.flex_kernel_options`` and ``model.flex_compile_mode``.
+torch as they are, so torch names a key it does not know), the ``torch.compile`` mode and whether K/V
+heads are repeated to the query heads for every later call; training sets them from
+``model.flex_kernel_options``, ``model.flex_compile_mode`` and ``model.flex_repeat_kv``.
 ``benchmarks/flex_kernels.py`` measures the choices on a GPU.
 """
 
@@ -46,15 +47,21 @@ AUTOTUNED_HOPPER_HEAD_DIM_64 = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "B
                                 "BLOCK_N2": 32, "num_stages": 3, "num_warps": 4}
 _KERNEL_OPTIONS: dict[str, Any] = {}
 _COMPILE_MODE: str | None = None
+_REPEAT_KV = False
 
 
-def configure(kernel_options: Mapping[str, Any] | None = None, compile_mode: str | None = None) -> None:
+def configure(kernel_options: Mapping[str, Any] | None = None, compile_mode: str | None = None,
+              repeat_kv: bool = False) -> None:
     """FlexAttention ``kernel_options`` and ``torch.compile`` mode for every later call (None: torch's
     defaults for the GPU; e.g. ``{"BLOCK_M": 128, "BLOCK_N": 64}`` or mode
-    ``"max-autotune-no-cudagraphs"``)."""
-    global _COMPILE_MODE
+    ``"max-autotune-no-cudagraphs"``). ``repeat_kv``: copy K/V to every query head before the kernel
+    instead of grouped-query attention inside it. Flex's backward runs one program per K/V tile and
+    K/V head, which loops over the head group; with K/V heads repeated it runs one per query head, a
+    shorter longest program on a GPU with more SMs than K/V tiles x K/V heads."""
+    global _COMPILE_MODE, _REPEAT_KV
     _KERNEL_OPTIONS.clear()
     _KERNEL_OPTIONS.update(kernel_options or {})
+    _REPEAT_KV = repeat_kv
     if compile_mode != _COMPILE_MODE:
         _COMPILE_MODE = compile_mode
         _compiled_flex_attention.cache_clear()
@@ -75,6 +82,9 @@ def compiled_flex_attention(module, query, key, value, attention_mask, scaling=N
             f"attn_implementation={COMPILED_FLEX_BACKEND!r} needs a BlockMask (masks.core.flex_block_mask), "
             f"got {type(attention_mask).__name__}"
         )
+    if _REPEAT_KV and query.shape[1] != key.shape[1]:
+        group = query.shape[1] // key.shape[1]  # query head i reads K/V head i // group, as enable_gqa does
+        key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)  # [b, h, kv, d]
     out = _compiled_flex_attention()(
         query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
         kernel_options=dict(_KERNEL_OPTIONS) or None,

@@ -76,11 +76,12 @@ def resolve_attn_implementation(name: str, on_gpu: bool, needs_custom_mask: bool
 
 
 def configure_flex_attention(model_cfg, attn_implementation: str) -> None:
-    """``model.flex_kernel_options`` / ``model.flex_compile_mode`` into ``models.flex_attention``; they
-    only mean something for ``attn_implementation=pardec_flex`` (:class:`ConfigError` naming the key
-    otherwise)."""
-    options, mode = model_cfg.flex_kernel_options, model_cfg.flex_compile_mode
-    for key, value in (("model.flex_kernel_options", options), ("model.flex_compile_mode", mode)):
+    """``model.flex_kernel_options`` / ``model.flex_compile_mode`` / ``model.flex_repeat_kv`` into
+    ``models.flex_attention``; they only mean something for ``attn_implementation=pardec_flex``
+    (:class:`ConfigError` naming the key otherwise)."""
+    options, mode, repeat_kv = model_cfg.flex_kernel_options, model_cfg.flex_compile_mode, model_cfg.flex_repeat_kv
+    for key, value in (("model.flex_kernel_options", options), ("model.flex_compile_mode", mode),
+                       ("model.flex_repeat_kv", repeat_kv or None)):
         if value is not None and attn_implementation != COMPILED_FLEX_BACKEND:
             raise ConfigError(f"config key '{key}' = {value!r} needs attn_implementation={COMPILED_FLEX_BACKEND}; "
                               f"this run uses {attn_implementation!r}")
@@ -88,7 +89,7 @@ def configure_flex_attention(model_cfg, attn_implementation: str) -> None:
     if options is not None and not isinstance(options, dict):
         raise ConfigError(f"config key 'model.flex_kernel_options' = {options!r}; expected a mapping such as "
                           "{BLOCK_M:64,BLOCK_N:64} or null")
-    flex_attention.configure(options, mode)
+    flex_attention.configure(options, mode, repeat_kv)
 
 
 def check_attn_implementation(name: str, key: str) -> None:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from common.errors import ConfigError
 from data_pipelines.idlm_batch import build_idlm_batch
 from data_pipelines.jacobi_batch import build_jacobi_batch
-from masks.core import COMPILED_FLEX_BACKEND, causal_document_spec, dense_additive_mask
+from masks.core import COMPILED_FLEX_BACKEND, causal_document_spec, dense_additive_mask, flex_block_mask
 from methods.base import forward_logits, move_batch
 from models import flex_attention
 from models.flex_attention import compiled_flex_attention
@@ -88,30 +89,61 @@ def test_configured_kernel_options_and_mode_reach_the_compiled_call(monkeypatch)
     assert calls[1]["kernel_options"] is None
 
 
-@pytest.mark.parametrize("key,value", [("flex_kernel_options", {"BLOCK_M": 64}), ("flex_compile_mode", "max-autotune")])
+@pytest.mark.parametrize("key,value", [("flex_kernel_options", {"BLOCK_M": 64}), ("flex_compile_mode", "max-autotune"),
+                                       ("flex_repeat_kv", True)])
 def test_flex_kernel_choices_need_pardec_flex(key, value):
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.create({"flex_kernel_options": None, "flex_compile_mode": None, key: value})
+    cfg = OmegaConf.create({"flex_kernel_options": None, "flex_compile_mode": None, "flex_repeat_kv": False,
+                            key: value})
     with pytest.raises(ConfigError, match=f"'model.{key}'.*needs attn_implementation=pardec_flex.*'sdpa'"):
         configure_flex_attention(cfg, "sdpa")
     try:
         configure_flex_attention(cfg, COMPILED_FLEX_BACKEND)
-        if key == "flex_kernel_options":
-            assert flex_attention._KERNEL_OPTIONS == {"BLOCK_M": 64}
-        else:
-            assert flex_attention._COMPILE_MODE == "max-autotune"
+        state = {"flex_kernel_options": flex_attention._KERNEL_OPTIONS, "flex_compile_mode": flex_attention._COMPILE_MODE,
+                 "flex_repeat_kv": flex_attention._REPEAT_KV}
+        assert state[key] == value
     finally:
         flex_attention.configure()
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_repeated_kv_heads_give_the_grouped_query_attention(monkeypatch):
+    """``repeat_kv`` hands the kernel one K/V head per query head (no ``enable_gqa``); eager flex on CPU
+    gives the same output as grouped-query attention inside the kernel."""
+    from torch.nn.attention.flex_attention import flex_attention as eager_flex
+
+    seen = []
+
+    def run(q, k, v, kernel_options, **kwargs):
+        seen.append((k.shape[1], kwargs["enable_gqa"]))
+        return eager_flex(q, k, v, **kwargs)
+
+    monkeypatch.setattr(flex_attention, "_compiled_flex_attention", lambda: run)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 6, 16, 8, generator=gen), torch.randn(1, 2, 16, 8, generator=gen), torch.randn(1, 2, 16, 8, generator=gen)
+    spec = causal_document_spec(torch.tensor([[0] * 10 + [1] * 6]))
+    mask = flex_block_mask(spec, compile=False, block_size=8)
+    try:
+        grouped, _ = compiled_flex_attention(None, q, k, v, mask)
+        flex_attention.configure(repeat_kv=True)
+        repeated, _ = compiled_flex_attention(None, q, k, v, mask)
+    finally:
+        flex_attention.configure()
+    assert seen == [(2, True), (6, False)]
+    torch.testing.assert_close(repeated, grouped)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_additive_mask(spec), enable_gqa=True)
+    torch.testing.assert_close(grouped, expected.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kernel_options", [None, flex_attention.AUTOTUNED_HOPPER_HEAD_DIM_64],
-                         ids=["torch-default", "autotuned-hopper"])
+@pytest.mark.parametrize("kernel_options,repeat_kv", [(None, False), (flex_attention.AUTOTUNED_HOPPER_HEAD_DIM_64, False),
+                                                     (flex_attention.AUTOTUNED_HOPPER_HEAD_DIM_64, True)],
+                         ids=["torch-default", "autotuned-hopper", "autotuned-hopper-repeat-kv"])
 @pytest.mark.parametrize("build", [idlm_row, jacobi_row], ids=["idlm", "jacobi"])
-def test_pardec_flex_equals_dense_sdpa_forward_and_backward(build, kernel_options):
-    flex_attention.configure(kernel_options)
+def test_pardec_flex_equals_dense_sdpa_forward_and_backward(build, kernel_options, repeat_kv):
+    flex_attention.configure(kernel_options, repeat_kv=repeat_kv)
     try:
         check_against_dense_sdpa(build)
     finally:
@@ -158,6 +190,6 @@ def test_jacobi_streams_layout_is_the_same_attention(mask, window):
 def test_flex_kernel_options_must_be_a_mapping():
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.create({"flex_kernel_options": 64, "flex_compile_mode": None})
+    cfg = OmegaConf.create({"flex_kernel_options": 64, "flex_compile_mode": None, "flex_repeat_kv": False})
     with pytest.raises(ConfigError, match="'model.flex_kernel_options' = 64; expected a mapping"):
         configure_flex_attention(cfg, COMPILED_FLEX_BACKEND)

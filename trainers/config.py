@@ -41,6 +41,9 @@ class ModelConfig:
     # command-line dict into a None-valued typed Dict; models.loading checks it is a mapping.)
     flex_kernel_options: Optional[Any] = None
     flex_compile_mode: Optional[str] = None
+    # attn_implementation=pardec_flex, grouped-query models: copy K/V to every query head before the
+    # kernel instead of grouping heads inside it (models.flex_attention.configure says why it can pay).
+    flex_repeat_kv: bool = False
 
 
 @dataclass
@@ -287,6 +290,7 @@ SAFE_TO_CHANGE_ON_RESUME = (
     "model.attn_implementation",
     "model.flex_kernel_options",
     "model.flex_compile_mode",
+    "model.flex_repeat_kv",
     "deepspeed.overlap_comm",
     "deepspeed.contiguous_gradients",
     "deepspeed.reduce_bucket_size",
