@@ -18,7 +18,7 @@ Times are medians over timed steps after warm-up steps (compilation happens in w
 device synchronised; memory is ``torch.cuda.max_memory_allocated`` of the cell's steps; a cell that
 runs out of memory is reported as such. ``--flex-choice F`` runs ``pardec_flex`` with the kernel
 choice in ``F`` (``benchmarks.flex_kernels``). ``--profile L`` also writes a ``torch.profiler`` table of one
-I-DLM step per backend at ``L`` tokens. Writes ``benchmarks/results/mask_backends.{md,json}``.
+step per backend on a row of ``L`` tokens of ``--profile-recipe`` (I-DLM by default). Writes ``benchmarks/results/mask_backends.{md,json}``.
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ def time_step(model, batch, steps: int, warmup: int) -> dict:
             "oom": False}
 
 
-def profile_steps(model, batch, length: int, backends: list[str], out: Path) -> None:
-    """One profiled I-DLM step per backend, after two unprofiled steps (compilation)."""
+def profile_steps(model, batch, label: str, length: int, backends: list[str], out: Path, command: str) -> None:
+    """One profiled step of a ``label`` row per backend, after two unprofiled steps (compilation)."""
     from torch.profiler import ProfilerActivity, profile
 
     sections = []
@@ -124,14 +124,14 @@ def profile_steps(model, batch, length: int, backends: list[str], out: Path) -> 
         events = prof.key_averages()
         busy_ms = gpu_busy_ms(events)
         wall_ms = timed_wall(model, cell)
-        sections.append(f"## {impl}, I-DLM stride 4, {length} tokens: step {wall_ms:.1f} ms wall (unprofiled), "
+        sections.append(f"## {impl}, {label}, {length} tokens: step {wall_ms:.1f} ms wall (unprofiled), "
                         f"GPU busy {busy_ms:.1f} ms ({busy_ms / wall_ms:.0%})\n\n"
                         + events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60)
                         + "\n" + events.table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
     text = "\n\n".join(sections)
     print(text, flush=True)
     out.with_name(out.name + "_profile.txt").write_text(
-        f"Command: python -m benchmarks.mask_backends --profile {length}\nDevice: {torch.cuda.get_device_name()}\n\n"
+        f"Command: {command}\nDevice: {torch.cuda.get_device_name()}\n\n"
         + text + "\n")
 
 
@@ -181,7 +181,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--profile", type=int, default=None, metavar="TOKENS",
-                   help="first profile one I-DLM step per backend at this many tokens")
+                   help="first profile one step per backend of a --profile-recipe row of this many tokens")
+    p.add_argument("--profile-recipe", choices=sorted(RECIPES), default="idlm")
     p.add_argument("--out", default=str(RESULTS / "mask_backends"))
     p.add_argument("--flex-choice", default=None, metavar="JSON",
                    help="pardec_flex's kernel choice, a file written by benchmarks.flex_kernels --best-out")
@@ -191,7 +192,7 @@ def main() -> None:
     flex_attention.register()
     choice = json.loads(Path(args.flex_choice).read_text()) if args.flex_choice else None
     if choice:
-        flex_attention.configure(choice["kernel_options"], choice["compile_mode"])
+        flex_attention.configure(choice["kernel_options"], choice["compile_mode"], choice.get("repeat_kv", False))
     # Every (mask predicate, row length) compiles its own BlockMask builder and static flex kernel:
     # 2 recipes x 4 lengths go past dynamo's default of 8 compiles per function, after which it would
     # silently fall back to eager (unfused) attention.
@@ -203,14 +204,17 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name()
-    if args.profile:
-        profile_steps(model, move_batch(idlm_batch(args.profile, g), "cuda"), args.profile, args.backends, out)
     command = (f"python -m benchmarks.mask_backends --lengths {' '.join(map(str, args.lengths))} "
                f"--recipes {' '.join(args.recipes)} --backends {' '.join(args.backends)} "
                f"--steps {args.steps} --warmup {args.warmup}"
                + (f" --flex-choice {args.flex_choice}" if args.flex_choice else ""))
+    if args.profile:
+        label, build = RECIPES[args.profile_recipe]
+        profile_steps(model, move_batch(build(args.profile, g), "cuda"), label, args.profile, args.backends, out,
+                      command + f" --profile {args.profile} --profile-recipe {args.profile_recipe}")
     flex_note = (f" pardec flex runs kernel choice {choice['name']!r} (kernel_options {choice['kernel_options']}, "
-                 f"compile mode {choice['compile_mode']})." if choice else "")
+                 f"compile mode {choice['compile_mode']}, K/V heads repeated: {choice.get('repeat_kv', False)})."
+                 if choice else "")
     rows = []
     for recipe in args.recipes:
         label, build = RECIPES[recipe]

@@ -1,5 +1,6 @@
 """``benchmarks/flex_kernels.py`` without a GPU: the fastest choice is picked among the recipe's timed
-kernel options at the asked length (not the reference rows, a failed choice or a compile mode),
+kernel options at the asked length (not the reference rows, a failed choice, a compile mode, a
+causal-mask row or another BlockMask tile size),
 and every row kind renders."""
 
 from __future__ import annotations
@@ -21,13 +22,18 @@ ROWS = [
     {"recipe": "J", "seq_len": 16384, "kernel": "flex jacobi, max-autotune", "fwd_ms": 2.0, "bwd_ms": 5.0,
      "total_ms": 7.0, "kernel_options": {}, "compile_mode": "max-autotune-no-cudagraphs", "max_diff_vs_default": 0.01},
     {"recipe": "J", "seq_len": 16384, "kernel": "sdpa causal", "fwd_ms": 1.0, "bwd_ms": 1.0, "total_ms": 2.0},
+    {"recipe": "J", "seq_len": 16384, "kernel": "flex causal, TMA", "fwd_ms": 1.0, "bwd_ms": 1.0, "total_ms": 2.0,
+     "mask": "causal", "kernel_options": {"USE_TMA": True}, "compile_mode": None, "block_size": 128},
+    {"recipe": "J", "seq_len": 16384, "kernel": "flex jacobi, TMA, 64-token BlockMask", "fwd_ms": 1.0,
+     "bwd_ms": 1.0, "total_ms": 2.0, "mask": "jacobi", "kernel_options": {"USE_TMA": True}, "compile_mode": None,
+     "block_size": 64},
 ]
 
 
 def test_best_choice_is_the_fastest_kernel_options_at_that_length():
     best = best_choice(ROWS, "J", 16384)
     assert best == {"name": "flex jacobi, fwd 64x64", "kernel_options": {"BLOCK_M": 64, "BLOCK_N": 64},
-                    "compile_mode": None, "total_ms": 9.0}
+                    "compile_mode": None, "repeat_kv": False, "total_ms": 9.0}
     assert best_choice(ROWS, "J", 8192)["name"] == "flex jacobi, default"
 
 
