@@ -35,6 +35,7 @@ from typing import Any, Mapping
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flex_attention_mask
 
 from masks.core import COMPILED_FLEX_BACKEND
@@ -84,7 +85,7 @@ def compiled_flex_attention(module, query, key, value, attention_mask, scaling=N
         )
     if _REPEAT_KV and query.shape[1] != key.shape[1]:
         group = query.shape[1] // key.shape[1]  # query head i reads K/V head i // group, as enable_gqa does
-        key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)  # [b, h, kv, d]
+        key, value = repeat_kv(key, group), repeat_kv(value, group)  # [b, h, kv, d]
     out = _compiled_flex_attention()(
         query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
         kernel_options=dict(_KERNEL_OPTIONS) or None,

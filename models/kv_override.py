@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv
 
 KV_OVERRIDE = "pardec_kv_override"
 OTHERS = "others"  # every query but the seed's verifying row sees the cached K/V (the paper)
@@ -74,11 +75,6 @@ class KVOverrideStep:
     attention: torch.Tensor | None = None
 
 
-def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """[b, h_kv, s, d] -> [b, h_kv * n_rep, s, d] (grouped-query attention)."""
-    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
-
-
 def kv_override_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -105,8 +101,8 @@ def kv_override_attention(
     # 1. This forward's own K/V (the next step's cache); the override memory K', V'.
     if step is not None:
         step.recorded[layer] = (key.detach(), value.detach())
-    k = _repeat_kv(key, n_rep).float()  # [b, h, kv, d]
-    v = _repeat_kv(value, n_rep).float()  # [b, h, kv, d]
+    k = repeat_kv(key, n_rep).float()  # [b, h, kv, d]
+    v = repeat_kv(value, n_rep).float()  # [b, h, kv, d]
     q = query.float()  # [b, h, q, d]
     override = step is not None and step.cached is not None and step.seeds is not None and bool(step.seeds.any())
     k_all, v_all, k_row, v_row = k, v, k, v  # what every query sees; what the verifying rows see
@@ -115,8 +111,8 @@ def kv_override_attention(
             raise ValueError(f"KVOverrideStep.cached_for = {step.cached_for!r}; expected one of {CACHED_FOR}")
         cached_k, cached_v = step.cached[layer]
         seed_cols = step.seeds[:, None, :, None]  # [b, 1, kv, 1]
-        k_swap = torch.where(seed_cols, _repeat_kv(cached_k, n_rep).float(), k)  # [b, h, kv, d]
-        v_swap = torch.where(seed_cols, _repeat_kv(cached_v, n_rep).float(), v)  # [b, h, kv, d]
+        k_swap = torch.where(seed_cols, repeat_kv(cached_k, n_rep).float(), k)  # [b, h, kv, d]
+        v_swap = torch.where(seed_cols, repeat_kv(cached_v, n_rep).float(), v)  # [b, h, kv, d]
         if step.cached_for == OTHERS:
             k_all, v_all = k_swap, v_swap
         else:
