@@ -29,10 +29,12 @@ heads are repeated to the query heads for every later call; training sets them f
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from functools import lru_cache
 from typing import Any, Mapping
 
 import torch
+import torch._functorch.config as aot_autograd_config
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
@@ -46,6 +48,12 @@ from masks.core import COMPILED_FLEX_BACKEND
 # 64 x 64, backward 32 x 64 / 64 x 32, 3 stages and 4 warps in both.
 AUTOTUNED_HOPPER_HEAD_DIM_64 = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64,
                                 "BLOCK_N2": 32, "num_stages": 3, "num_warps": 4}
+# The activation-memory budget under which the compiler repeats K/V heads again in backward instead of
+# keeping the repeated copies (see :func:`repeat_partition`). Keeping the query, the output and the
+# K/V heads as given is (2g + 2) / 4g <= 0.75 of keeping the repeated copies, for any group g >= 2,
+# so 0.9 is met by recomputing the repeat alone. At 0.3 the partitioner reruns the forward kernel in
+# backward too (g = 2, 3, 7; at 0.4 for g = 3), which tests/test_flex_attention.py fails on CPU.
+REPEAT_RECOMPUTE_MEMORY_BUDGET = 0.9
 _KERNEL_OPTIONS: dict[str, Any] = {}
 _COMPILE_MODE: str | None = None
 _REPEAT_KV = False
@@ -58,19 +66,40 @@ def configure(kernel_options: Mapping[str, Any] | None = None, compile_mode: str
     ``"max-autotune-no-cudagraphs"``). ``repeat_kv``: copy K/V to every query head before the kernel
     instead of grouped-query attention inside it. Flex's backward runs one program per K/V tile and
     K/V head, which loops over the head group; with K/V heads repeated it runs one per query head, a
-    shorter longest program on a GPU with more SMs than K/V tiles x K/V heads."""
+    shorter longest program on a GPU with more SMs than K/V tiles x K/V heads. The repeat is compiled
+    with the kernel and done again in backward (:func:`repeat_partition`), so the copies are not kept."""
     global _COMPILE_MODE, _REPEAT_KV
     _KERNEL_OPTIONS.clear()
     _KERNEL_OPTIONS.update(kernel_options or {})
     _REPEAT_KV = repeat_kv
     if compile_mode != _COMPILE_MODE:
         _COMPILE_MODE = compile_mode
-        _compiled_flex_attention.cache_clear()
+        _compiled_attend.cache_clear()
+
+
+def attend(query, key, value, block_mask, scale, kernel_options, group):
+    """FlexAttention after repeating each K/V head ``group`` times (1: grouped-query attention inside
+    the kernel). ``query`` ``[b, h, q, d]``, ``key``/``value`` ``[b, h_kv, kv, d]``; returns ``[b, h, q, d]``."""
+    if group > 1:  # query head i reads K/V head i // group, as enable_gqa does
+        key, value = repeat_kv(key, group), repeat_kv(value, group)  # [b, h, kv, d]
+    return flex_attention(query, key, value, block_mask=block_mask, scale=scale,
+                          enable_gqa=query.shape[1] != key.shape[1], kernel_options=kernel_options)
+
+
+def repeat_partition(group: int) -> AbstractContextManager:
+    """Where :func:`attend` is compiled (at its first call for a shape), what it keeps for backward.
+    torch.compile's default partition keeps the repeated K/V copies: a copy that feeds the backward
+    kernel counts as materialised there and is never recomputed. Under an activation-memory budget
+    below 1 its knapsack partition keeps the K/V heads as given and repeats them again in backward,
+    so a layer's repeated copies live through its own backward only."""
+    if group == 1:
+        return nullcontext()
+    return aot_autograd_config.patch(activation_memory_budget=REPEAT_RECOMPUTE_MEMORY_BUDGET)
 
 
 @lru_cache(maxsize=1)
-def _compiled_flex_attention():
-    return torch.compile(flex_attention, dynamic=False, mode=_COMPILE_MODE)
+def _compiled_attend():
+    return torch.compile(attend, dynamic=False, mode=_COMPILE_MODE)
 
 
 def compiled_flex_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -83,14 +112,10 @@ def compiled_flex_attention(module, query, key, value, attention_mask, scaling=N
             f"attn_implementation={COMPILED_FLEX_BACKEND!r} needs a BlockMask (masks.core.flex_block_mask), "
             f"got {type(attention_mask).__name__}"
         )
-    if _REPEAT_KV and query.shape[1] != key.shape[1]:
-        group = query.shape[1] // key.shape[1]  # query head i reads K/V head i // group, as enable_gqa does
-        key, value = repeat_kv(key, group), repeat_kv(value, group)  # [b, h, kv, d]
-    out = _compiled_flex_attention()(
-        query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
-        kernel_options=dict(_KERNEL_OPTIONS) or None,
-    )  # [b, h, q, d]
-    return out.transpose(1, 2).contiguous(), None
+    group = query.shape[1] // key.shape[1] if _REPEAT_KV else 1
+    with repeat_partition(group):
+        out = _compiled_attend()(query, key, value, attention_mask, scaling, dict(_KERNEL_OPTIONS) or None, group)
+    return out.transpose(1, 2).contiguous(), None  # [b, q, h, d]
 
 
 def register() -> None:

@@ -5,8 +5,8 @@ On GPU: a tiny model with grouped-query attention at a head ratio that is not a 
 parameter gradient equal those of the same model with SDPA and the dense float mask of the same
 predicate, and a second row length (a second static compile) does too, with torch's kernel
 choice and with other tile sizes (``models.flex_attention.configure``). On CPU: the registration,
-the choice of backend, that configured kernel options and compile mode reach the compiled call, and
-the named errors.
+the choice of backend, that configured kernel options and compile mode reach the compiled call, the
+named errors, and with K/V heads repeated the output and what the compiled function keeps for backward.
 """
 
 from __future__ import annotations
@@ -70,11 +70,11 @@ def test_configured_kernel_options_and_mode_reach_the_compiled_call(monkeypatch)
 
     def fake_compile(fn, dynamic, mode):
         compiled.append((fn, dynamic, mode))
-        return lambda *args, **kwargs: calls.append(kwargs) or args[0]
+        return lambda *args: calls.append(args) or args[0]
 
     monkeypatch.setattr(flex_attention.torch, "compile", fake_compile)
     monkeypatch.setattr(flex_attention, "BlockMask", torch.Tensor)  # any object passes as the mask here
-    flex_attention._compiled_flex_attention.cache_clear()
+    flex_attention._compiled_attend.cache_clear()
     q = torch.zeros(1, 2, 8, 4)
     try:
         flex_attention.configure({"BLOCK_M": 64, "BLOCK_N": 32}, "max-autotune-no-cudagraphs")
@@ -83,10 +83,11 @@ def test_configured_kernel_options_and_mode_reach_the_compiled_call(monkeypatch)
         compiled_flex_attention(None, q, q, q, q)
     finally:
         flex_attention.configure()
-        flex_attention._compiled_flex_attention.cache_clear()
+        flex_attention._compiled_attend.cache_clear()
     assert [(dynamic, mode) for _, dynamic, mode in compiled] == [(False, "max-autotune-no-cudagraphs"), (False, None)]
-    assert calls[0]["kernel_options"] == {"BLOCK_M": 64, "BLOCK_N": 32}
-    assert calls[1]["kernel_options"] is None
+    assert compiled[0][0] is flex_attention.attend
+    assert calls[0][5] == {"BLOCK_M": 64, "BLOCK_N": 32}  # attend's kernel_options
+    assert calls[1][5] is None
 
 
 @pytest.mark.parametrize("key,value", [("flex_kernel_options", {"BLOCK_M": 64}), ("flex_compile_mode", "max-autotune"),
@@ -109,17 +110,15 @@ def test_flex_kernel_choices_need_pardec_flex(key, value):
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_repeated_kv_heads_give_the_grouped_query_attention(monkeypatch):
-    """``repeat_kv`` hands the kernel one K/V head per query head (no ``enable_gqa``); eager flex on CPU
-    gives the same output as grouped-query attention inside the kernel."""
-    from torch.nn.attention.flex_attention import flex_attention as eager_flex
-
+    """``repeat_kv`` hands the compiled function K/V heads as they are and the group to repeat them by;
+    eager flex on CPU gives the same output as grouped-query attention inside the kernel."""
     seen = []
 
-    def run(q, k, v, kernel_options, **kwargs):
-        seen.append((k.shape[1], kwargs["enable_gqa"]))
-        return eager_flex(q, k, v, **kwargs)
+    def run(q, k, v, block_mask, scale, kernel_options, group):
+        seen.append((k.shape[1], group))
+        return flex_attention.attend(q, k, v, block_mask, scale, kernel_options, group)
 
-    monkeypatch.setattr(flex_attention, "_compiled_flex_attention", lambda: run)
+    monkeypatch.setattr(flex_attention, "_compiled_attend", lambda: run)
     gen = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(1, 6, 16, 8, generator=gen), torch.randn(1, 2, 16, 8, generator=gen), torch.randn(1, 2, 16, 8, generator=gen)
     spec = causal_document_spec(torch.tensor([[0] * 10 + [1] * 6]))
@@ -130,12 +129,64 @@ def test_repeated_kv_heads_give_the_grouped_query_attention(monkeypatch):
         repeated, _ = compiled_flex_attention(None, q, k, v, mask)
     finally:
         flex_attention.configure()
-    assert seen == [(2, True), (6, False)]
+    assert seen == [(2, 1), (2, 3)]
     torch.testing.assert_close(repeated, grouped)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_additive_mask(spec), enable_gqa=True)
     torch.testing.assert_close(grouped, expected.transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("group", [2, 3, 7])
+def test_repeated_kv_heads_are_recomputed_in_backward_not_kept(monkeypatch, group):
+    """With K/V heads repeated, what the compiled function keeps for backward is the query, the
+    output, its log-sum-exp and the K/V heads as given: the repeated copies are made again in backward
+    (``repeat_partition``), and the forward kernel is not rerun. Without the budget the partition keeps
+    the repeated copies (four ``[b, h, s, d]`` tensors). torch refuses flex's backward on CPU at its
+    entry, so this lifts that check and compiles with torch.compile's partitioner (as inductor calls
+    it) and no code generation: the dense reference kernels compute the gradients, checked against
+    dense SDPA."""
+    import functools
+
+    import torch.nn.attention.flex_attention as torch_flex
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    monkeypatch.setattr(torch_flex, "_validate_device", lambda *args: None)
+    backward_ops = []
+
+    def keep_backward_ops(graph_module, example_inputs):
+        backward_ops.extend(str(node.target) for node in graph_module.graph.nodes if node.op == "call_function")
+        return make_boxed_func(graph_module)
+
+    backend = aot_autograd(fw_compiler=lambda graph_module, example_inputs: make_boxed_func(graph_module),
+                           bw_compiler=keep_backward_ops,
+                           partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))
+    gen = torch.Generator().manual_seed(group)
+    heads, kv_heads, length, dim = 2 * group, 2, 32, 8
+    q = torch.randn(1, heads, length, dim, generator=gen, requires_grad=True)
+    k, v = (torch.randn(1, kv_heads, length, dim, generator=gen, requires_grad=True) for _ in range(2))
+    spec = causal_document_spec(torch.tensor([[0] * 20 + [1] * 12]))
+    mask = flex_block_mask(spec, compile=False, block_size=8)
+    kept = []
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(flex_attention.attend, dynamic=False, backend=backend)
+        with flex_attention.repeat_partition(group), torch.autograd.graph.saved_tensors_hooks(
+                lambda t: kept.append(t) or t, lambda t: t):
+            out = compiled(q, k, v, mask, None, None, group)  # [1, h, s, d]
+        grad_out = torch.randn(out.shape, generator=gen)
+        out.backward(grad_out)
+    finally:
+        torch._dynamo.reset()
+    full = [t for t in kept if t.dim() == 4 and t.shape[2] == length]
+    assert sorted(t.shape[1] for t in full) == [kv_heads, kv_heads, heads, heads]
+    assert {t.data_ptr() for t in full} >= {q.data_ptr(), k.data_ptr(), v.data_ptr()}
+    assert "flex_attention" not in backward_ops and "flex_attention_backward" in backward_ops
+    inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*inputs, attn_mask=dense_additive_mask(spec), enable_gqa=True)
+    expected.backward(grad_out)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    for got, reference in zip((q, k, v), inputs):
+        torch.testing.assert_close(got.grad, reference.grad, atol=1e-5, rtol=1e-5)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kernel_options,repeat_kv", [(None, False), (flex_attention.AUTOTUNED_HOPPER_HEAD_DIM_64, False),
