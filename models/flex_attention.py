@@ -51,8 +51,8 @@ AUTOTUNED_HOPPER_HEAD_DIM_64 = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "B
 # The activation-memory budget under which the compiler repeats K/V heads again in backward instead of
 # keeping the repeated copies (see :func:`repeat_partition`). Keeping the query, the output and the
 # K/V heads as given is (2g + 2) / 4g <= 0.75 of keeping the repeated copies, for any group g >= 2,
-# so 0.9 is met by recomputing the repeat alone. At 0.3 the partitioner reruns the forward kernel in
-# backward too (g = 2, 3, 7; at 0.4 for g = 3), which tests/test_flex_attention.py fails on CPU.
+# so 0.9 is met by recomputing the repeat alone. At 0.3 the partitioner also reruns the forward kernel
+# in backward, and tests/test_flex_attention.py fails (g = 2, 3, 7; CPU).
 REPEAT_RECOMPUTE_MEMORY_BUDGET = 0.9
 _KERNEL_OPTIONS: dict[str, Any] = {}
 _COMPILE_MODE: str | None = None
