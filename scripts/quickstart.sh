@@ -8,5 +8,5 @@ cd "$(dirname "$0")/.."
 
 bash scripts/setup.sh
 py=.venv/bin/python
-$py -m scripts.train experiment=default_base "$@"
-$py -m scripts.validate checkpoint=runs/default_base/hf decoder=ar_greedy data=synthetic_gsm
+$py -m pardec.cli.train experiment=default_base "$@"
+$py -m pardec.cli.validate checkpoint=runs/default_base/hf decoder=ar_greedy data=synthetic_gsm

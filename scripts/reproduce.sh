@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # bash scripts/reproduce.sh [--only STEP ...] [--dry-run]
 # Sets up .venv (as the quick start does), then runs every conversion and benchmark of the README in
-# order (scripts/reproduce.py); re-running skips finished steps and resumes an interrupted one.
+# order (pardec/cli/reproduce.py); re-running skips finished steps and resumes an interrupted one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/setup.sh
-exec .venv/bin/python -m scripts.reproduce "$@"
+exec .venv/bin/python -m pardec.cli.reproduce "$@"

@@ -83,7 +83,7 @@ def data_cfg(**overrides):
     """The ``data`` config (``DataConfig`` defaults) with ``overrides`` set by dotted key."""
     from omegaconf import OmegaConf
 
-    from data_pipelines.config import DataConfig
+    from pardec.data_pipelines.config import DataConfig
 
     cfg = OmegaConf.structured(DataConfig)
     for key, value in overrides.items():
@@ -93,7 +93,7 @@ def data_cfg(**overrides):
 
 def synthetic_tokenizer():
     """The embedded default's word-level tokenizer (default generator config)."""
-    from data_pipelines.synthetic_gsm import SyntheticGSMConfig
-    from data_pipelines.synthetic_tokenizer import build_synthetic_tokenizer
+    from pardec.data_pipelines.synthetic_gsm import SyntheticGSMConfig
+    from pardec.data_pipelines.synthetic_tokenizer import build_synthetic_tokenizer
 
     return build_synthetic_tokenizer(SyntheticGSMConfig())

@@ -8,12 +8,12 @@ import re
 import pytest
 import torch
 
-from common.errors import CheckpointError, ConfigError
-from inference.checkpoint import load_checkpoint
-from inference.decoders.base import DecoderConfig, DecodeResult, PerSampleDecoder
-from inference.decoders.registry import build_decoder
-from inference.decoders.sampling import SamplingParams, probs_from_logits, sample_seed
-from inference.metrics import compute_metrics, format_markdown, prefix_agreement, score_answer
+from pardec.common.errors import CheckpointError, ConfigError
+from pardec.inference.checkpoint import load_checkpoint
+from pardec.inference.decoders.base import DecoderConfig, DecodeResult, PerSampleDecoder
+from pardec.inference.decoders.registry import build_decoder
+from pardec.inference.decoders.sampling import SamplingParams, probs_from_logits, sample_seed
+from pardec.inference.metrics import compute_metrics, format_markdown, prefix_agreement, score_answer
 from tests.conftest import save_checkpoint, tiny_model, tiny_tokenizer
 
 torch.set_num_threads(1)

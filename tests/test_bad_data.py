@@ -20,17 +20,17 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from common.errors import CheckpointError, ConfigError, DataError
-from data_pipelines.sources import load_raw_split
-from data_pipelines.tokenize import check_prompt_unknown_rate, tokenize_dataset
-from inference.checkpoint import load_checkpoint
-from methods.ar import ARConfig, ARMethod
-from methods.idlm import IDLMConfig, IDLMMethod
-from methods.jacobi_forcing import JacobiForcingConfig, JacobiForcingMethod
-from models.loading import check_max_positions, load_model, load_tokenizer
+from pardec.common.errors import CheckpointError, ConfigError, DataError
+from pardec.data_pipelines.sources import load_raw_split
+from pardec.data_pipelines.tokenize import check_prompt_unknown_rate, tokenize_dataset
+from pardec.inference.checkpoint import load_checkpoint
+from pardec.methods.ar import ARConfig, ARMethod
+from pardec.methods.idlm import IDLMConfig, IDLMMethod
+from pardec.methods.jacobi_forcing import JacobiForcingConfig, JacobiForcingMethod
+from pardec.models.loading import check_max_positions, load_model, load_tokenizer
 from tests.conftest import data_cfg, save_checkpoint, synthetic_tokenizer, tiny_model, tiny_tokenizer
 from tests.train_utils import run_in_process
-from trainers.config import ModelConfig
+from pardec.trainers.config import ModelConfig
 
 torch.set_num_threads(1)
 
@@ -101,7 +101,7 @@ def test_bad_parquet_columns_and_second_file_are_named(tmp_path):
 
 def test_empty_responses_are_counted_and_all_empty_is_refused(tokenizer, caplog):
     some = raw(["Question: Tom has 3 apples."] * 3, [" Tom has 3 apples.", "", "\n"])
-    with caplog.at_level(logging.WARNING, logger="data_pipelines.tokenize"):
+    with caplog.at_level(logging.WARNING, logger="pardec.data_pipelines.tokenize"):
         out = tokenize_dataset(some, tokenizer, data_cfg())
     assert len(out) == 3
     assert "2 of 3 train responses are empty (first: row 1" in caplog.text
@@ -133,11 +133,11 @@ def test_unknown_token_rate_is_logged_and_limited(tokenizer, caplog):
     assert message.startswith(f"train: {100 * n_unk / total:.2f}% of the tokens ({n_unk} of {total})")
     assert "first in row 1: 'Frage' in the prompt" in message and "data.max_unk_rate=0.01" in message
     # Under the threshold (or with the check off) the rate is still reported.
-    with caplog.at_level(logging.INFO, logger="data_pipelines.tokenize"):
+    with caplog.at_level(logging.INFO, logger="pardec.data_pipelines.tokenize"):
         assert len(tokenize_dataset(ds, tokenizer, data_cfg(max_unk_rate=None))) == 2
     assert f"train: {n_unk} of {total} tokens" in caplog.text and "first in row 1" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="data_pipelines.tokenize"):
+    with caplog.at_level(logging.INFO, logger="pardec.data_pipelines.tokenize"):
         tokenize_dataset(raw([ascii_row[0]], [ascii_row[1]]), tokenizer, data_cfg(), split="eval")
     assert "eval: 0 of " in caplog.text
     with pytest.raises(ConfigError, match="data.max_unk_rate"):

@@ -1,7 +1,7 @@
-"""benchmarks.common: which problems a split name selects."""
+"""pardec.benchmarks.common: which problems a split name selects."""
 import pytest
 
-from benchmarks.common import held_out_rows, split_rows, validation_rows
+from pardec.benchmarks.common import held_out_rows, split_rows, validation_rows
 
 
 def test_split_rows_selects_the_named_split():

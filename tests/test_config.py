@@ -6,9 +6,9 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError
 
-from common.errors import ConfigError
+from pardec.common.errors import ConfigError
 from tests.train_utils import RECIPES, compose_train
-from trainers.deepspeed_config import build_deepspeed_config
+from pardec.trainers.deepspeed_config import build_deepspeed_config
 
 EXPERIMENTS = sorted(p.stem for p in (RECIPES / "experiment").glob("*.yaml"))
 RECIPE_NAMES = sorted(p.stem for p in (RECIPES / "recipe").glob("*.yaml"))

@@ -1,8 +1,8 @@
-"""``benchmarks.cover``'s choice of tau_draft on validation (``--select``), on hand-made rows."""
+"""``pardec.benchmarks.cover``'s choice of tau_draft on validation (``--select``), on hand-made rows."""
 
 from __future__ import annotations
 
-from benchmarks.cover import choose_tau
+from pardec.benchmarks.cover import choose_tau
 
 TUNING = [  # validation rows of three taus: faster is less accurate
     {"tau_draft": 0.7, "accuracy": 0.70, "steps_per_sample": 12.0},

@@ -12,9 +12,9 @@ from collections import defaultdict
 import pytest
 import torch
 
-from common.errors import ConfigError
-from inference.decoders.ar import ARDecoder, ARDecoderConfig
-from inference.decoders.cover import (
+from pardec.common.errors import ConfigError
+from pardec.inference.decoders.ar import ARDecoder, ARDecoderConfig
+from pardec.inference.decoders.cover import (
     KEEP,
     REMASK,
     REPLACE,
@@ -27,9 +27,9 @@ from inference.decoders.cover import (
     select_seeds,
     verify,
 )
-from inference.decoders.mdm_common import BlockRun, mdm_info
-from inference.decoders.registry import build_decoder
-from models.kv_override import KV_OVERRIDE
+from pardec.inference.decoders.mdm_common import BlockRun, mdm_info
+from pardec.inference.decoders.registry import build_decoder
+from pardec.models.kv_override import KV_OVERRIDE
 from tests.conftest import tiny_model
 from tests.test_mdm_decoders import (
     EOS,

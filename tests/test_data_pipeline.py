@@ -10,14 +10,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from common.constants import IGNORE_INDEX
-from common.errors import DataError
-from data_pipelines.packing import PAD_SEGMENT, pack_dataset, single_sample_rows
-from data_pipelines.sources import load_raw_split
-from data_pipelines.tokenize import tokenize_dataset
-from losses.causal_lm import shifted_labels
-from masks.core import causal_document_spec, dense_additive_mask, dense_bool_mask
-from methods.ar import ARConfig, ARMethod
+from pardec.common.constants import IGNORE_INDEX
+from pardec.common.errors import DataError
+from pardec.data_pipelines.packing import PAD_SEGMENT, pack_dataset, single_sample_rows
+from pardec.data_pipelines.sources import load_raw_split
+from pardec.data_pipelines.tokenize import tokenize_dataset
+from pardec.losses.causal_lm import shifted_labels
+from pardec.masks.core import causal_document_spec, dense_additive_mask, dense_bool_mask
+from pardec.methods.ar import ARConfig, ARMethod
 from tests.conftest import data_cfg, synthetic_tokenizer, tiny_model
 
 
@@ -118,7 +118,7 @@ def test_causal_document_mask_matches_loop():
 
 def test_packed_forward_equals_separate_forwards(tokenizer):
     """One packed AR forward through a real model = each sample alone (nothing leaks)."""
-    from methods.base import forward_logits
+    from pardec.methods.base import forward_logits
 
     model = tiny_model(len(tokenizer))
     ds = raw(["Question: Tom has 3 apples.\nAnswer:", "Question: Ann has 12 pens.\nAnswer:"],
@@ -178,9 +178,9 @@ def test_missing_column_is_named(tmp_path):
 
 
 def test_missing_mask_token_is_named(tokenizer):
-    from common.constants import MASK_TOKEN
-    from common.errors import ConfigError
-    from models.loading import mask_token_id
+    from pardec.common.constants import MASK_TOKEN
+    from pardec.common.errors import ConfigError
+    from pardec.models.loading import mask_token_id
 
     model = tiny_model(len(tokenizer))
     with pytest.raises(ConfigError, match="mask_token_id"):
@@ -192,8 +192,8 @@ def test_missing_mask_token_is_named(tokenizer):
 
 
 def test_tokenizer_model_mismatch_is_named(tokenizer):
-    from common.errors import CheckpointError
-    from models.loading import check_tokenizer_matches
+    from pardec.common.errors import CheckpointError
+    from pardec.models.loading import check_tokenizer_matches
 
     model = tiny_model(10)
     with pytest.raises(CheckpointError, match=rf"tokenizer has {len(tokenizer)} tokens.*10 rows"):

@@ -1,8 +1,8 @@
-"""benchmarks.decoder_eval: decoder specs become batch-1 configs; bad specs get a named error."""
+"""pardec.benchmarks.decoder_eval: decoder specs become batch-1 configs; bad specs get a named error."""
 import pytest
 
-from benchmarks.decoder_eval import decoder_configs
-from common.errors import ConfigError
+from pardec.benchmarks.decoder_eval import decoder_configs
+from pardec.common.errors import ConfigError
 
 
 def test_specs_become_batch_one_configs_with_the_default_length():
@@ -18,7 +18,7 @@ def test_bad_specs_are_named(spec):
 
 
 def test_mean_stats_averages_numeric_entries_per_sample():
-    from benchmarks.decoder_eval import mean_stats
+    from pardec.benchmarks.decoder_eval import mean_stats
     records = [{"stats": {"remasks": 2, "steps": 10, "override": True, "mode": "x"}},
                {"stats": {"remasks": 0, "steps": 14, "capped": 3}}]
     assert mean_stats(records) == {"capped": 1.5, "remasks": 1.0, "steps": 12.0}

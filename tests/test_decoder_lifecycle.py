@@ -1,4 +1,4 @@
-"""The decoder lifecycle (``inference.decoders.base``): ``prepare`` swaps and restores the model's
+"""The decoder lifecycle (``pardec.inference.decoders.base``): ``prepare`` swaps and restores the model's
 attention around a decoder's run, ``summarize`` defaults to nothing, auxiliary models are handed
 over by name, attention names are checked against transformers' registry, and decoders take their
 defaults from the checkpoint metadata."""
@@ -15,13 +15,13 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from common.errors import CheckpointError, ConfigError
-from common.metadata import CheckpointMetadata
-from inference.decoders import registry
-from inference.decoders.ar import ARDecoder, ARDecoderConfig
-from inference.decoders.jacobi import JacobiDecoder, JacobiDecoderConfig
-from inference.evaluate import evaluate
-from models.loading import check_attn_implementation
+from pardec.common.errors import CheckpointError, ConfigError
+from pardec.common.metadata import CheckpointMetadata
+from pardec.inference.decoders import registry
+from pardec.inference.decoders.ar import ARDecoder, ARDecoderConfig
+from pardec.inference.decoders.jacobi import JacobiDecoder, JacobiDecoderConfig
+from pardec.inference.evaluate import evaluate
+from pardec.models.loading import check_attn_implementation
 from tests.conftest import EVAL_ROWS, tiny_model, tiny_tokenizer
 
 SWAPPED = "pardec_test_reversed_keys"

@@ -1,7 +1,7 @@
 """Two processes under torchrun (gloo, CPU) match one process with the same global batch.
 
 One process with grad_accum=2 sees exactly the global batches that two processes with grad_accum=1
-see (trainers/data_order.py), so the trained weights must agree up to float reduction order. All
+see (pardec/trainers/data_order.py), so the trained weights must agree up to float reduction order. All
 runs start from one saved base checkpoint: random initialisation under ZeRO-3's partitioned
 ``zero.Init`` draws differently from a plain init, and real runs start from pretrained weights.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from data_pipelines.jacobi_trajectories import load_trajectories
+from pardec.data_pipelines.jacobi_trajectories import load_trajectories
 from tests.train_utils import exported_weights, run_torchrun, save_tiny_base
 
 STEPS = ["trainer.max_steps=3"]

@@ -1,4 +1,4 @@
-"""trainers.extension_builds: JIT op builds go to the interpreter's own directory, builds of this
+"""pardec.trainers.extension_builds: JIT op builds go to the interpreter's own directory, builds of this
 project's processes are serialised, and a lock left by a killed build is cleared, not waited on."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from trainers.extension_builds import GUARD_FILE, guarded_extension_builds
+from pardec.trainers.extension_builds import GUARD_FILE, guarded_extension_builds
 
 
 def test_default_directory_is_the_interpreters_own(tmp_path, monkeypatch):

@@ -1,10 +1,10 @@
-"""``attn_implementation=pardec_flex`` (models/flex_attention.py) against dense-mask SDPA.
+"""``attn_implementation=pardec_flex`` (pardec/models/flex_attention.py) against dense-mask SDPA.
 
 On GPU: a tiny model with grouped-query attention at a head ratio that is not a power of two
 (6 query heads, 2 K/V heads) runs a packed I-DLM row and a Jacobi Forcing row; logits and every
 parameter gradient equal those of the same model with SDPA and the dense float mask of the same
 predicate, and a second row length (a second static compile) does too, with torch's kernel
-choice and with other tile sizes (``models.flex_attention.configure``). On CPU: the registration,
+choice and with other tile sizes (``pardec.models.flex_attention.configure``). On CPU: the registration,
 the choice of backend, that configured kernel options and compile mode reach the compiled call, the
 named errors, and with K/V heads repeated the output and what the compiled function keeps for backward.
 """
@@ -16,14 +16,14 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from common.errors import ConfigError
-from data_pipelines.idlm_batch import build_idlm_batch
-from data_pipelines.jacobi_batch import build_jacobi_batch
-from masks.core import COMPILED_FLEX_BACKEND, causal_document_spec, dense_additive_mask, flex_block_mask
-from methods.base import forward_logits, move_batch
-from models import flex_attention
-from models.flex_attention import compiled_flex_attention
-from models.loading import check_attn_implementation, configure_flex_attention, resolve_attn_implementation
+from pardec.common.errors import ConfigError
+from pardec.data_pipelines.idlm_batch import build_idlm_batch
+from pardec.data_pipelines.jacobi_batch import build_jacobi_batch
+from pardec.masks.core import COMPILED_FLEX_BACKEND, causal_document_spec, dense_additive_mask, flex_block_mask
+from pardec.methods.base import forward_logits, move_batch
+from pardec.models import flex_attention
+from pardec.models.flex_attention import compiled_flex_attention
+from pardec.models.loading import check_attn_implementation, configure_flex_attention, resolve_attn_implementation
 
 VOCAB = 64
 
@@ -220,9 +220,9 @@ def check_against_dense_sdpa(build) -> None:
 
 @pytest.mark.parametrize("mask,window", [("nc", 1), ("nc_ic", 2)])
 def test_jacobi_streams_layout_is_the_same_attention(mask, window):
-    """layout=streams moves the Jacobi slots (benchmarks/mask_tiles.py counts its tiles): every token,
+    """layout=streams moves the Jacobi slots (pardec/benchmarks/mask_tiles.py counts its tiles): every token,
     named by (stream, block, position), attends to the same tokens as in the interleaved layout."""
-    from masks.core import dense_bool_mask
+    from pardec.masks.core import dense_bool_mask
 
     def attends(layout: str) -> set:
         batch = jacobi_row(256, mask=mask, window=window, layout=layout)

@@ -1,11 +1,11 @@
-"""``benchmarks/flex_kernels.py`` without a GPU: the fastest choice is picked among the recipe's timed
+"""``pardec/benchmarks/flex_kernels.py`` without a GPU: the fastest choice is picked among the recipe's timed
 kernel options at the asked length (not the reference rows, a failed choice, a compile mode, a
 causal-mask row or another BlockMask tile size),
 and every row kind renders."""
 
 from __future__ import annotations
 
-from benchmarks.flex_kernels import best_choice, markdown
+from pardec.benchmarks.flex_kernels import best_choice, markdown
 
 ROWS = [
     {"recipe": "J", "seq_len": 8192, "kernel": "sdpa causal", "fwd_ms": 1.0, "bwd_ms": 2.0, "total_ms": 3.0,
@@ -47,11 +47,11 @@ def test_markdown_renders_every_row_kind():
 
 def test_the_saved_autotuned_choice_is_the_one_the_framework_names():
     """``benchmarks/results/flex_kernels_best.json`` (what the README's mask_backends command reads) and
-    ``models.flex_attention.AUTOTUNED_HOPPER_HEAD_DIM_64`` were written apart: they must not drift."""
+    ``pardec.models.flex_attention.AUTOTUNED_HOPPER_HEAD_DIM_64`` were written apart: they must not drift."""
     import json
     from pathlib import Path
 
-    from models.flex_attention import AUTOTUNED_HOPPER_HEAD_DIM_64
+    from pardec.models.flex_attention import AUTOTUNED_HOPPER_HEAD_DIM_64
 
     saved = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/flex_kernels_best.json").read_text())
     assert saved == {"name": "autotuned", "kernel_options": AUTOTUNED_HOPPER_HEAD_DIM_64, "compile_mode": None}

@@ -18,13 +18,13 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common.constants import IGNORE_INDEX, MASK_TOKEN
-from common.errors import ConfigError
-from data_pipelines.idlm_batch import build_idlm_batch
-from losses.idlm import idlm_loss
-from methods.base import forward_logits
-from methods.idlm_lora import IDLMLoraMethod
-from models.gated_lora import (
+from pardec.common.constants import IGNORE_INDEX, MASK_TOKEN
+from pardec.common.errors import ConfigError
+from pardec.data_pipelines.idlm_batch import build_idlm_batch
+from pardec.losses.idlm import idlm_loss
+from pardec.methods.base import forward_logits
+from pardec.methods.idlm_lora import IDLMLoraMethod
+from pardec.models.gated_lora import (
     ADAPTER_SUBDIR,
     GATED_LORA_FILE,
     load_gated_lora,
@@ -32,7 +32,7 @@ from models.gated_lora import (
     save_gated_lora,
     wrap_gated_lora,
 )
-from models.loading import load_model, load_tokenizer
+from pardec.models.loading import load_model, load_tokenizer
 from tests.test_idlm_batch import MASK_ID, random_samples, tiny_model
 from tests.train_utils import FAST, compose_train, run_in_process
 

@@ -5,8 +5,8 @@ decodes with ISD token-identically to the base's AR greedy.
 
 Under ZeRO-3 the base is partitioned at load time (``zero.Init``), ``<|mask|>`` is added to the
 partitioned embedding, PEFT wraps the partitioned linears, and the export gathers every partition
-(``trainers/export.py``); the model config enables non-reentrant gradient checkpointing, so the
-gate replay of :mod:`models.gated_lora` runs under both stages too.
+(``pardec/trainers/export.py``); the model config enables non-reentrant gradient checkpointing, so the
+gate replay of :mod:`pardec.models.gated_lora` runs under both stages too.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from data_pipelines.synthetic_gsm import generate_split
-from data_pipelines.tokenize import format_prompt_ids
-from inference.checkpoint import load_checkpoint
-from inference.decoders.registry import build_decoder
-from models.gated_lora import ADAPTER_SUBDIR, gate_holder
+from pardec.data_pipelines.synthetic_gsm import generate_split
+from pardec.data_pipelines.tokenize import format_prompt_ids
+from pardec.inference.checkpoint import load_checkpoint
+from pardec.inference.decoders.registry import build_decoder
+from pardec.models.gated_lora import ADAPTER_SUBDIR, gate_holder
 from tests.train_utils import compose_train, exported_weights, run_torchrun, save_tiny_base
 
 LORA = ["recipe=idlm_lora", "data.pack_length=512", "trainer.max_steps=2", "trainer.lr=1e-2",

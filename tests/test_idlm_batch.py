@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-from data_pipelines.idlm_batch import build_idlm_batch
-from data_pipelines.packing import greedy_pack
-from masks.core import dense_additive_mask
-from masks.idlm import idlm_mask
-from methods.registry import build_method
+from pardec.data_pipelines.idlm_batch import build_idlm_batch
+from pardec.data_pipelines.packing import greedy_pack
+from pardec.masks.core import dense_additive_mask
+from pardec.masks.idlm import idlm_mask
+from pardec.methods.registry import build_method
 from tests import conftest
 from tests.train_utils import compose_train
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from data_pipelines.idlm_batch import build_idlm_batch
-from losses.idlm import idlm_loss
-from methods.base import forward_logits
+from pardec.data_pipelines.idlm_batch import build_idlm_batch
+from pardec.losses.idlm import idlm_loss
+from pardec.methods.base import forward_logits
 from tests.test_idlm_batch import MASK_ID, random_samples, tiny_model
 
 SPEC, BLOCK, PACK = [(7, 3), (5, 1), (4, 4), (9, 4), (6, 0)], 3, 32

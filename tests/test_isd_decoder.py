@@ -14,10 +14,10 @@ import torch
 from hydra import compose, initialize_config_dir
 from transformers import DynamicCache, Qwen3Config
 
-from common.errors import ConfigError
-from data_pipelines.idlm_batch import build_idlm_batch
-from inference.config import validate_validate_config
-from inference.decoders.isd import (
+from pardec.common.errors import ConfigError
+from pardec.data_pipelines.idlm_batch import build_idlm_batch
+from pardec.inference.config import validate_validate_config
+from pardec.inference.decoders.isd import (
     ISDDecoder,
     StepMasks,
     introspective_acceptance,
@@ -25,11 +25,11 @@ from inference.decoders.isd import (
     step_attention_mask,
     step_forward,
 )
-from inference.decoders.registry import build_decoder
-from inference.decoders.sampling import SamplingParams, probs_from_logits
-from inference.evaluate import evaluate
-from inference.isd_metrics import isd_summary, isd_tpf
-from masks.core import materialize
+from pardec.inference.decoders.registry import build_decoder
+from pardec.inference.decoders.sampling import SamplingParams, probs_from_logits
+from pardec.inference.evaluate import evaluate
+from pardec.inference.isd_metrics import isd_summary, isd_tpf
+from pardec.masks.core import materialize
 from tests.conftest import EVAL_ROWS, tiny_model, tiny_tokenizer
 
 torch.set_num_threads(1)
@@ -553,11 +553,11 @@ def test_config_errors_name_the_key():
 
 @pytest.mark.parametrize("choice", ["isd_greedy", "isd_sample"])
 def test_decoder_recipes_compose_and_validate(choice):
-    import scripts.validate  # noqa: F401  (registers the validate_schema config node)
+    import pardec.cli.validate  # noqa: F401  (registers the validate_schema config node)
 
-    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    recipes = Path(__file__).resolve().parents[1] / "pardec" / "recipes"
     first_line = (recipes / "decoder" / f"{choice}.yaml").read_text().splitlines()[0]
-    assert first_line.startswith(f"# python -m scripts.validate checkpoint=<dir> decoder={choice}")
+    assert first_line.startswith(f"# python -m pardec.cli.validate checkpoint=<dir> decoder={choice}")
     with initialize_config_dir(config_dir=str(recipes), version_base="1.3"):
         cfg = validate_validate_config(compose("validate", overrides=["checkpoint=/x", f"decoder={choice}",
                                                                       "decoder.stride=4"]))

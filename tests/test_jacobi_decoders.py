@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from transformers import DynamicCache, Qwen3Config
 
-from common.errors import ConfigError
-from inference.decoders import multiblock
-from inference.decoders.jacobi import init_draft, prefill_prompt
-from inference.decoders.multiblock import Block, BlockChain, Commit, NgramPool, forward_branches, keep_cache_entries
-from inference.decoders.registry import build_decoder, decoder_config
-from masks.core import additive_mask
+from pardec.common.errors import ConfigError
+from pardec.inference.decoders import multiblock
+from pardec.inference.decoders.jacobi import init_draft, prefill_prompt
+from pardec.inference.decoders.multiblock import Block, BlockChain, Commit, NgramPool, forward_branches, keep_cache_entries
+from pardec.inference.decoders.registry import build_decoder, decoder_config
+from pardec.masks.core import additive_mask
 from tests.conftest import tiny_model
 
 torch.set_num_threads(1)
@@ -27,7 +27,7 @@ torch.set_num_threads(1)
 PROMPTS = [[3, 4, 5, 6, 7], [8], [9, 10, 11], [12, 13, 14, 15, 16, 17, 18]]
 NO_EOS: set[int] = set()
 MAX_NEW = 19  # aligned with none of the block sizes below
-RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "decoder"
+RECIPES = Path(__file__).resolve().parents[1] / "pardec" / "recipes" / "decoder"
 
 
 def decode(cfg: dict, model, prompt, eos=NO_EOS, seed=0, max_new=MAX_NEW):
@@ -349,7 +349,7 @@ def test_config_errors_name_the_key(overrides, key):
 @pytest.mark.parametrize("name", ["jacobi", "multiblock"])
 def test_recipes_validate(name):
     path = RECIPES / f"{name}.yaml"
-    assert path.read_text().startswith("# python -m scripts.validate checkpoint=<dir> decoder=")
+    assert path.read_text().startswith("# python -m pardec.cli.validate checkpoint=<dir> decoder=")
     cfg = decoder_config(OmegaConf.load(path))
     assert cfg.name == name and build_decoder(cfg, tokenizer=None).name == name
 

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from masks.core import AttentionSpec, dense_additive_mask, dense_bool_mask, flex_block_mask
-from masks.jacobi import CLEAN, NOISY, PROMPT, jacobi_nc_ic_mask, jacobi_nc_mask
+from pardec.masks.core import AttentionSpec, dense_additive_mask, dense_bool_mask, flex_block_mask
+from pardec.masks.jacobi import CLEAN, NOISY, PROMPT, jacobi_nc_ic_mask, jacobi_nc_mask
 
 # A slot is (sample, stream, block, position) with stream "p" / "k" (noisy) / "c" (clean) and
 # block -1 on the prompt, or None for padding.

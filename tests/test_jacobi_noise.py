@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 
-from data_pipelines.jacobi_noise import noise_ratios, select_noisy_blocks, select_state, unconverged_count
+from pardec.data_pipelines.jacobi_noise import noise_ratios, select_noisy_blocks, select_state, unconverged_count
 
 F = Fraction
 

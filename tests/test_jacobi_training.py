@@ -11,16 +11,16 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common.constants import IGNORE_INDEX
-from common.errors import ConfigError, DataError
-from data_pipelines.jacobi_batch import build_jacobi_batch
-from data_pipelines.jacobi_trajectories import load_trajectories
-from data_pipelines.sources import load_raw_split
-from data_pipelines.tokenize import format_prompt_ids
-from inference.decoders.registry import build_decoder
-from losses.jacobi import jacobi_forcing_loss
-from methods.base import forward_logits, move_batch
-from scripts.collect_trajectories import collect
+from pardec.common.constants import IGNORE_INDEX
+from pardec.common.errors import ConfigError, DataError
+from pardec.data_pipelines.jacobi_batch import build_jacobi_batch
+from pardec.data_pipelines.jacobi_trajectories import load_trajectories
+from pardec.data_pipelines.sources import load_raw_split
+from pardec.data_pipelines.tokenize import format_prompt_ids
+from pardec.inference.decoders.registry import build_decoder
+from pardec.losses.jacobi import jacobi_forcing_loss
+from pardec.methods.base import forward_logits, move_batch
+from pardec.cli.collect_trajectories import collect
 from tests.conftest import tiny_model
 from tests.train_utils import FAST, compose_train, run_in_process
 
@@ -337,7 +337,7 @@ def test_training_on_trajectories_from_the_collection_script(tmp_path):
 def test_window_phase_reaches_the_training_examples(tmp_path):
     """recipe.window_phase=random noises block 0 in some samples (phase zero never does), and an
     unknown phase fails at start with the key's name."""
-    from methods.jacobi_forcing import _examples
+    from pardec.methods.jacobi_forcing import _examples
 
     fixed_point = [1, 2, 3, 4]
     trajectory = [[1, 9, 9, 9], [1, 2, 9, 9], fixed_point]
@@ -356,7 +356,7 @@ def test_window_phase_reaches_the_training_examples(tmp_path):
 def test_streams_layout_trains_the_same_losses(tmp_path, monkeypatch):
     """recipe.layout=streams reaches the batches: the first step's losses equal the interleaved
     layout's (same attention, slots moved); an unknown layout fails at start with the key's name."""
-    import methods.jacobi_forcing as recipe
+    import pardec.methods.jacobi_forcing as recipe
 
     built_layouts = []
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-import data_pipelines.jacobi_trajectories as jt
-from data_pipelines.jacobi_trajectories import (
+import pardec.data_pipelines.jacobi_trajectories as jt
+from pardec.data_pipelines.jacobi_trajectories import (
     CollectSettings,
     TrajectoryError,
     check_ar_greedy,
@@ -18,7 +18,7 @@ from data_pipelines.jacobi_trajectories import (
     collect_trajectories,
     load_trajectories,
 )
-from inference.decoders.registry import build_decoder
+from pardec.inference.decoders.registry import build_decoder
 from tests.conftest import tiny_model
 
 torch.set_num_threads(1)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from masks.core import additive_mask
-from models.kv_override import KV_OVERRIDE, OTHERS, VERIFIERS, KVOverrideStep, kv_override_attention, register
+from pardec.masks.core import additive_mask
+from pardec.models.kv_override import KV_OVERRIDE, OTHERS, VERIFIERS, KVOverrideStep, kv_override_attention, register
 from tests.conftest import tiny_model
 
 

@@ -1,6 +1,7 @@
-"""The layering rule, checked on the source: a package imports only packages of its own layer or
-below (``common`` at the bottom, ``scripts``/``benchmarks`` at the top), ``common`` imports no other
-pardec package, and no two pardec modules import each other through any chain (no cycles)."""
+"""The layering rule, checked on the source: a subpackage of ``pardec`` imports only subpackages of its
+own layer or below (``pardec.common`` at the bottom, ``pardec.cli``/``pardec.benchmarks`` at the top),
+``pardec.common`` imports no other pardec subpackage, no two pardec modules import each other through
+any chain (no cycles), and every module lives in a layer."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "pardec"
 LAYERS = {
     "common": 0,
+    "recipes": 0,  # the Hydra configs, shipped as package data; no code
     "masks": 1,
     "losses": 1,
     "data_pipelines": 2,
@@ -17,18 +20,20 @@ LAYERS = {
     "methods": 4,
     "inference": 4,
     "trainers": 5,
-    "scripts": 6,
+    "cli": 6,
     "benchmarks": 6,
 }
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+    """``pardec/masks/core.py`` -> ``masks.core`` (names are relative to the ``pardec`` package)."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def imports_of(path: Path) -> set[str]:
-    """Every pardec module ``path`` imports, at any depth of the file (lazy imports included)."""
+    """Every pardec module ``path`` imports, at any depth of the file (lazy imports included), named
+    relative to the ``pardec`` package."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -37,12 +42,29 @@ def imports_of(path: Path) -> set[str]:
             names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
         else:
             continue
-        found.update(n for n in names if n.split(".")[0] in LAYERS)
+        found.update(n.removeprefix("pardec.") for n in names if n.startswith("pardec.") and n.split(".")[1] in LAYERS)
     return found
 
 
 def project_modules() -> dict[str, Path]:
-    return {module_name(p): p for package in LAYERS for p in (ROOT / package).rglob("*.py")}
+    return {module_name(p): p for package in LAYERS for p in (PACKAGE / package).rglob("*.py")}
+
+
+def test_every_module_lives_in_a_layer():
+    stray = [str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py")
+             if p != PACKAGE / "__init__.py" and p.relative_to(PACKAGE).parts[0] not in LAYERS]
+    assert not stray, f"modules outside every layer (add their package to LAYERS): {stray}"
+
+
+def test_code_imports_pardec_modules_by_their_full_name():
+    """A top-level ``import masks`` would only work from the repository root, not from an install."""
+    bare = []
+    for path in list(PACKAGE.rglob("*.py")) + list((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            bare += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in LAYERS]
+    assert not bare, "\n".join(bare)
 
 
 def test_no_package_imports_a_higher_layer():

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from masks.block_diffusion import block_diffusion_mask
-from masks.core import AttentionSpec, dense_additive_mask, dense_bool_mask, flex_block_mask
-from masks.idlm import idlm_mask
+from pardec.masks.block_diffusion import block_diffusion_mask
+from pardec.masks.core import AttentionSpec, dense_additive_mask, dense_bool_mask, flex_block_mask
+from pardec.masks.idlm import idlm_mask
 
 # A slot is (sample, stream, position) with stream "t" (x_t) or "c" (x_0), or None for padding.
 Slot = tuple[int, str, int] | None

@@ -12,11 +12,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from common.constants import MASK_TOKEN
-from common.errors import CheckpointError, ConfigError
-from inference.decoders.ar import ARDecoder, ARDecoderConfig
-from inference.decoders.registry import build_decoder
-from inference.evaluate import evaluate
+from pardec.common.constants import MASK_TOKEN
+from pardec.common.errors import CheckpointError, ConfigError
+from pardec.inference.decoders.ar import ARDecoder, ARDecoderConfig
+from pardec.inference.decoders.registry import build_decoder
+from pardec.inference.evaluate import evaluate
 from tests.conftest import EVAL_ROWS, tiny_model, tiny_tokenizer
 
 torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""benchmarks.mdm_teacher_forced: the batched teacher-forced guesses against one forward per prefix
+"""pardec.benchmarks.mdm_teacher_forced: the batched teacher-forced guesses against one forward per prefix
 with a mask built by a loop, and the scoring on a scripted guess."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from benchmarks.mdm_teacher_forced import ar_guesses, mdm_guesses, score
-from data_pipelines.config import DataConfig
-from data_pipelines.synthetic_tokenizer import build_synthetic_tokenizer
+from pardec.benchmarks.mdm_teacher_forced import ar_guesses, mdm_guesses, score
+from pardec.data_pipelines.config import DataConfig
+from pardec.data_pipelines.synthetic_tokenizer import build_synthetic_tokenizer
 from tests.conftest import tiny_model
 
 torch.set_num_threads(1)

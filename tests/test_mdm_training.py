@@ -12,13 +12,13 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from common.constants import IGNORE_INDEX
-from data_pipelines.mdm_batch import build_mdm_batch, cart_weights
-from losses.mdm import mdm_loss
-from masks.core import AttentionSpec, dense_additive_mask, dense_bool_mask, flex_block_mask
-from masks.idlm import X0, XT
-from masks.mdm import bidirectional_mask, block_causal_mask
-from methods.base import forward_logits
+from pardec.common.constants import IGNORE_INDEX
+from pardec.data_pipelines.mdm_batch import build_mdm_batch, cart_weights
+from pardec.losses.mdm import mdm_loss
+from pardec.masks.core import AttentionSpec, dense_additive_mask, dense_bool_mask, flex_block_mask
+from pardec.masks.idlm import X0, XT
+from pardec.masks.mdm import bidirectional_mask, block_causal_mask
+from pardec.methods.base import forward_logits
 
 torch.set_num_threads(1)
 
@@ -430,7 +430,7 @@ def test_loss_without_targets_is_a_zero_in_the_graph():
 
 @pytest.mark.parametrize("attention,clean_context", [("bidirectional", False), ("block", False), ("block", True)])
 def test_recipe_trains_and_export_records_the_conversion(tmp_path, attention, clean_context):
-    from common.metadata import CheckpointMetadata
+    from pardec.common.metadata import CheckpointMetadata
     from tests.train_utils import run_in_process
 
     result = run_in_process([f"output_dir={tmp_path}", "recipe=mdm", "model=tiny_qwen3", "trainer.max_steps=3",
@@ -444,7 +444,7 @@ def test_recipe_trains_and_export_records_the_conversion(tmp_path, attention, cl
 
 
 def test_clean_context_without_block_attention_is_a_named_config_error(tmp_path):
-    from common.errors import ConfigError
+    from pardec.common.errors import ConfigError
     from tests.train_utils import run_in_process
 
     with pytest.raises(ConfigError, match="recipe.clean_context"):

@@ -9,8 +9,8 @@ import sys
 import torch
 
 from tests.train_utils import FAST, REPO, exported_weights, run_in_process
-from trainers import trainer
-from trainers.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER, STOP_FILE
+from pardec.trainers import trainer
+from pardec.trainers.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER, STOP_FILE
 
 STAGES = "recipe.stages=[{name: a, max_steps: 2}, {name: b, max_steps: 4}]"
 
@@ -64,7 +64,7 @@ def _env() -> dict[str, str]:
 
 def test_preempted_train_exits_with_the_preempted_code(tmp_path):
     (tmp_path / STOP_FILE).write_text("")
-    cmd = [sys.executable, "-m", "scripts.train", *FAST, f"output_dir={tmp_path}", "trainer.max_steps=3"]
+    cmd = [sys.executable, "-m", "pardec.cli.train", *FAST, f"output_dir={tmp_path}", "trainer.max_steps=3"]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, check=False, timeout=300)
     assert proc.returncode == PREEMPTED_EXIT_CODE, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "training preempted at step 1" in proc.stdout
@@ -72,8 +72,8 @@ def test_preempted_train_exits_with_the_preempted_code(tmp_path):
 
 
 def test_launcher_exits_with_the_workers_exit_code(tmp_path):
-    """torchrun exits 1 whenever a worker fails; scripts.launch passes the workers' code on (75 = preempted)."""
-    cmd = [sys.executable, "-m", "scripts.launch", "--standalone", "--nproc_per_node", "2", "--no-python",
+    """torchrun exits 1 whenever a worker fails; pardec.cli.launch passes the workers' code on (75 = preempted)."""
+    cmd = [sys.executable, "-m", "pardec.cli.launch", "--standalone", "--nproc_per_node", "2", "--no-python",
            "sh", "-c", f"exit {PREEMPTED_EXIT_CODE}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, check=False, timeout=120)
     assert proc.returncode == PREEMPTED_EXIT_CODE, proc.stderr[-2000:]

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from data_pipelines.refusion_batch import MASKINGS, build_refusion_batch, draw_layout, layout_seed
-from masks.core import dense_additive_mask
-from masks.refusion import refusion_mask
+from pardec.data_pipelines.refusion_batch import MASKINGS, build_refusion_batch, draw_layout, layout_seed
+from pardec.masks.core import dense_additive_mask
+from pardec.masks.refusion import refusion_mask
 from tests import conftest
 
 MASK_ID = 63

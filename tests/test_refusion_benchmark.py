@@ -1,6 +1,6 @@
-"""benchmarks.refusion: the validation rule that picks (b, tau, first token), on hand-built tables,
+"""pardec.benchmarks.refusion: the validation rule that picks (b, tau, first token), on hand-built tables,
 and the test phase's ablations of the chosen setting."""
-from benchmarks.refusion import OWN_AR, ablations, choose_setting, label
+from pardec.benchmarks.refusion import OWN_AR, ablations, choose_setting, label
 
 
 def _setting(block: int, tau: float, first: str = "mask") -> dict:

@@ -9,13 +9,13 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import inference.decoders.refusion as refusion_module
-from common.constants import MASK_TOKEN
-from common.errors import ConfigError
-from common.metadata import CheckpointMetadata
-from inference.decoders.refusion import ReFusionDecoder, ReFusionDecoderConfig
-from inference.decoders.registry import build_decoder
-from masks.refusion import SHARED
+import pardec.inference.decoders.refusion as refusion_module
+from pardec.common.constants import MASK_TOKEN
+from pardec.common.errors import ConfigError
+from pardec.common.metadata import CheckpointMetadata
+from pardec.inference.decoders.refusion import ReFusionDecoder, ReFusionDecoderConfig
+from pardec.inference.decoders.registry import build_decoder
+from pardec.masks.refusion import SHARED
 from tests.conftest import tiny_model, tiny_tokenizer
 
 EOS = 0

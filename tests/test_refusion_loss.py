@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from data_pipelines.refusion_batch import build_refusion_batch, draw_layout, layout_seed
-from losses.refusion import refusion_loss
+from pardec.data_pipelines.refusion_batch import build_refusion_batch, draw_layout, layout_seed
+from pardec.losses.refusion import refusion_loss
 
 MASK_ID = 63
 VOCAB = 64

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from common.errors import ConfigError
-from common.metadata import CheckpointMetadata
-from methods.refusion import ReFusionConfig, ReFusionMethod
+from pardec.common.errors import ConfigError
+from pardec.common.metadata import CheckpointMetadata
+from pardec.methods.refusion import ReFusionConfig, ReFusionMethod
 from tests.conftest import tiny_tokenizer
 from tests.train_utils import exported_weights, run_in_process
 

@@ -1,9 +1,9 @@
-"""benchmarks.refusion_teacher_forced: the slot-position split of teacher-forced accuracy, on scripted
+"""pardec.benchmarks.refusion_teacher_forced: the slot-position split of teacher-forced accuracy, on scripted
 guesses (the guesses themselves are ``ar_guesses``, tested in tests/test_mdm_teacher_forced.py)."""
 
 from __future__ import annotations
 
-from benchmarks.refusion_teacher_forced import plan_guesses, slot_position_accuracy
+from pardec.benchmarks.refusion_teacher_forced import plan_guesses, slot_position_accuracy
 
 
 def test_splits_slot_starts_from_in_slot_positions():
@@ -30,8 +30,8 @@ def test_plan_guesses_equal_a_forward_under_the_decoders_mask_per_slot_start():
     the decoder's own predicate (every entry shared) as an explicit dense mask, explicit positions."""
     import torch
 
-    from masks.core import additive_mask
-    from masks.refusion import SHARED, refusion_decode_mask
+    from pardec.masks.core import additive_mask
+    from pardec.masks.refusion import SHARED, refusion_decode_mask
     from tests.conftest import tiny_model
 
     vocab, mask_id, k, max_new = 40, 39, 3, 7

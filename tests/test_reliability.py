@@ -1,7 +1,7 @@
 """Reliability (issue 12): checkpoints are never lost and settings are never silently ignored.
 
 One test per cause, deterministic: faults are injected at an exact boundary of the save sequence
-(``trainers.checkpoint._crash_point``) or of the training loop, never by killing at random.
+(``pardec.trainers.checkpoint._crash_point``) or of the training loop, never by killing at random.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import pytest
 import torch
 from hydra.errors import MissingConfigException
 
-from common.errors import CheckpointError, ConfigError
+from pardec.common.errors import CheckpointError, ConfigError
 from tests.train_utils import compose_train, exported_weights, run_in_process
-from trainers import checkpoint as ckpt
-from trainers.config import resume_changes
-from trainers.deepspeed_config import build_deepspeed_config
-from trainers.run_lock import RunLock
+from pardec.trainers import checkpoint as ckpt
+from pardec.trainers.config import resume_changes
+from pardec.trainers.deepspeed_config import build_deepspeed_config
+from pardec.trainers.run_lock import RunLock
 
 
 class Killed(BaseException):
@@ -209,7 +209,7 @@ def test_raising_max_steps_on_a_finished_run_continues_it(tmp_path):
 
 
 def test_metrics_after_a_crash_are_not_repeated(tmp_path, monkeypatch):
-    from methods.ar import ARMethod
+    from pardec.methods.ar import ARMethod
 
     original, calls = ARMethod.loss, []
 

@@ -1,4 +1,4 @@
-"""scripts/reproduce.py: steps run in order, finished ones are skipped, a benchmark re-runs when a
+"""pardec/cli/reproduce.py: steps run in order, finished ones are skipped, a benchmark re-runs when a
 run it reads was re-trained, and a failed attempt's time counts toward the step's total."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from scripts import reproduce
+from pardec.cli import reproduce
 
 
 def py(code: str) -> list[str]:
@@ -17,7 +17,6 @@ def py(code: str) -> list[str]:
 
 @pytest.fixture
 def pipeline(tmp_path, monkeypatch):
-    monkeypatch.setattr(reproduce, "ROOT", tmp_path)
     monkeypatch.chdir(tmp_path)
     train = reproduce.Step("conv", py("import pathlib; d = pathlib.Path('runs/conv'); d.mkdir(parents=True); "
                                       "(d / 'DONE').write_text('step 3\\n')"), run_dir="runs/conv")

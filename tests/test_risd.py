@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from data_pipelines.synthetic_gsm import generate_split
-from data_pipelines.tokenize import format_prompt_ids
-from inference.checkpoint import load_checkpoint
-from inference.decoders.registry import build_decoder
-from models.gated_lora import gate_holder
-from models.loading import load_model, load_tokenizer
+from pardec.data_pipelines.synthetic_gsm import generate_split
+from pardec.data_pipelines.tokenize import format_prompt_ids
+from pardec.inference.checkpoint import load_checkpoint
+from pardec.inference.decoders.registry import build_decoder
+from pardec.models.gated_lora import gate_holder
+from pardec.models.loading import load_model, load_tokenizer
 from tests.train_utils import FAST, compose_train, run_in_process
 
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from common.errors import ConfigError
-from inference.config import validate_validate_config
-from inference.decoders.registry import build_decoder
-from inference.decoders.saber import SaberConfig, adaptive_threshold, remask_count, saber_step
+from pardec.common.errors import ConfigError
+from pardec.inference.config import validate_validate_config
+from pardec.inference.decoders.registry import build_decoder
+from pardec.inference.decoders.saber import SaberConfig, adaptive_threshold, remask_count, saber_step
 from tests.test_mdm_decoders import (
     EOS,
     MASK,
@@ -203,11 +203,11 @@ def test_saber_named_errors():
 
 
 def test_saber_recipe_composes_to_the_defaults():
-    import scripts.validate  # noqa: F401  (registers the validate_schema config node)
+    import pardec.cli.validate  # noqa: F401  (registers the validate_schema config node)
 
-    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    recipes = Path(__file__).resolve().parents[1] / "pardec" / "recipes"
     first_line = (recipes / "decoder" / "saber.yaml").read_text().splitlines()[0]
-    assert first_line == "# python -m scripts.validate checkpoint=<MDM export> decoder=saber"
+    assert first_line == "# python -m pardec.cli.validate checkpoint=<MDM export> decoder=saber"
     with initialize_config_dir(config_dir=str(recipes), version_base="1.3"):
         cfg = validate_validate_config(compose("validate", overrides=["checkpoint=/x", "decoder=saber"]))
     assert cfg.decoder == SaberConfig()

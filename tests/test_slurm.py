@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.train_utils import FAST, REPO, exported_weights
-from trainers.preemption import PREEMPTED_MARKER, STOP_FILE
+from pardec.trainers.preemption import PREEMPTED_MARKER, STOP_FILE
 
 pytestmark = pytest.mark.slurm
 
@@ -160,7 +160,7 @@ def test_validate_and_collect_sbatch_complete(slurm, straight, tmp_path):
     assert "trajectories:" in collect_log, collect_log[-6000:]
     assert sorted(p.name for p in tmp_path.glob("slurm-*.out")) == \
         sorted([f"slurm-pardec-validate-{validate}.out", f"slurm-pardec-collect-{collect}.out"])
-    from data_pipelines.jacobi_trajectories import load_trajectories
+    from pardec.data_pipelines.jacobi_trajectories import load_trajectories
 
     assert len(load_trajectories(tmp_path / "traj" / "trajectories")) == 4
 

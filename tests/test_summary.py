@@ -1,4 +1,4 @@
-"""benchmarks/summary.py: the table is the benchmarks' own numbers, lossless claims are checked
+"""pardec/benchmarks/summary.py: the table is the benchmarks' own numbers, lossless claims are checked
 against measured identity, and bad or missing inputs get a named error."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks import summary
+from pardec.benchmarks import summary
 
 IDENTITY_KEYS = {  # the keys each benchmark writes, spelled out here (not read from summary.SOURCES)
     "idlm_isd": ("identical_to_base", "identical_to_own_ar", "tps_ratio"),

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from data_pipelines.synthetic_gsm import SyntheticGSMConfig, extract_answer, generate_split
-from data_pipelines.synthetic_tokenizer import build_synthetic_tokenizer
+from pardec.data_pipelines.synthetic_gsm import SyntheticGSMConfig, extract_answer, generate_split
+from pardec.data_pipelines.synthetic_tokenizer import build_synthetic_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 CFG = SyntheticGSMConfig(num_train=3000)
@@ -101,7 +101,7 @@ def test_a_config_node_gives_the_same_problems_as_the_dataclass(splits: dict[str
 
 def test_independent_of_python_hash_seed(splits: dict[str, list[dict]]) -> None:
     code = (
-        "from data_pipelines.synthetic_gsm import SyntheticGSMConfig, generate_split;"
+        "from pardec.data_pipelines.synthetic_gsm import SyntheticGSMConfig, generate_split;"
         "print(generate_split(SyntheticGSMConfig(num_test=3), 'test')[2]['prompt'])"
     )
     outputs = {

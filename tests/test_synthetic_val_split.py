@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from data_pipelines.synthetic_gsm import SyntheticGSMConfig, extract_answer, generate_split
+from pardec.data_pipelines.synthetic_gsm import SyntheticGSMConfig, extract_answer, generate_split
 
 # sha256(json.dumps(rows, sort_keys=True)) of the default config's splits, computed before the val
 # split was added (commit e662138).

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common.errors import CheckpointError
+from pardec.common.errors import CheckpointError
 from tests.train_utils import exported_weights, run_in_process
-from trainers.preemption import PREEMPTED_MARKER, STOP_FILE
+from pardec.trainers.preemption import PREEMPTED_MARKER, STOP_FILE
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -117,7 +117,7 @@ def test_sigusr1_checkpoints_and_exits(tmp_path, monkeypatch):
     import os
     import signal
 
-    from methods.ar import ARMethod
+    from pardec.methods.ar import ARMethod
 
     original = ARMethod.loss
     sent = []

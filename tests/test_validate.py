@@ -1,4 +1,4 @@
-"""Evaluation core, validate config, and ``scripts/validate.py`` (1 process and torchrun 2)."""
+"""Evaluation core, validate config, and ``pardec/cli/validate.py`` (1 process and torchrun 2)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-import scripts.validate  # noqa: F401  (registers the validate_schema config node)
-from common.errors import ConfigError, DataError
-from inference.config import validate_validate_config
-from inference.evaluate import encode_prompt, evaluate, evaluate_model
+import pardec.cli.validate  # noqa: F401  (registers the validate_schema config node)
+from pardec.common.errors import ConfigError, DataError
+from pardec.inference.config import validate_validate_config
+from pardec.inference.evaluate import encode_prompt, evaluate, evaluate_model
 from tests.conftest import EVAL_ROWS, save_checkpoint, tiny_model, tiny_tokenizer, write_eval_jsonl
 
 torch.set_num_threads(1)
@@ -87,7 +87,7 @@ def test_chat_template_without_one_is_a_data_error(tok_model):
 
 
 def compose_validate(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(REPO / "pardec" / "recipes"), version_base="1.3"):
         return compose("validate", overrides=overrides)
 
 
@@ -111,7 +111,7 @@ def test_validate_config_defaults_and_errors():
 def run_validate(launcher: list[str], ck: Path, data: Path, out: Path, cwd: Path, extra: list[str]) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = launcher + [
-        "-m", "scripts.validate", f"checkpoint={ck}", "data.source=files", f"data.eval_files=[{data}]",
+        "-m", "pardec.cli.validate", f"checkpoint={ck}", "data.source=files", f"data.eval_files=[{data}]",
         f"output_dir={out}", "progress=false", *extra,
     ]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
@@ -138,7 +138,7 @@ def test_validate_cli_single_process(tmp_path):
 def test_validate_cli_missing_checkpoint_is_a_clear_error(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "scripts.validate", f"checkpoint={tmp_path / 'nope'}"],
+        [sys.executable, "-m", "pardec.cli.validate", f"checkpoint={tmp_path / 'nope'}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode != 0 and f"checkpoint directory not found: {tmp_path / 'nope'}" in proc.stderr
@@ -166,8 +166,8 @@ def test_in_training_evaluation_never_emits_the_mask_token(monkeypatch):
     """evaluate_model (the trainer's hook) forbids a converted model's <|mask|> as an export load
     does, for the evaluation only: a mask logit built to win every argmax never reaches the output,
     and the model's own forward is untouched afterwards."""
-    import inference.evaluate as evaluation
-    from common.metadata import CheckpointMetadata
+    import pardec.inference.evaluate as evaluation
+    from pardec.common.metadata import CheckpointMetadata
 
     tok = tiny_tokenizer(extra_tokens=("<|mask|>",))
     model = tiny_model(len(tok))

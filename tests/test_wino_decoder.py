@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.errors import ConfigError
-from inference.decoders.mdm_common import BlockRun, mdm_info
-from inference.decoders.registry import build_decoder
-from inference.decoders.wino import max_accept, wino_draft, wino_remask
+from pardec.common.errors import ConfigError
+from pardec.inference.decoders.mdm_common import BlockRun, mdm_info
+from pardec.inference.decoders.registry import build_decoder
+from pardec.inference.decoders.wino import max_accept, wino_draft, wino_remask
 from tests.test_cover_decoder import one_layer_mdm
 from tests.test_mdm_decoders import (
     EOS,

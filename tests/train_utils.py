@@ -11,10 +11,10 @@ import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
-from trainers.config import register_schema, validate_train_config
+from pardec.trainers.config import register_schema, validate_train_config
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = REPO / "recipes"
+RECIPES = REPO / "pardec" / "recipes"
 
 # Small and fast: 64 generated problems, short packed rows, no wandb, no progress bar.
 FAST = [
@@ -37,7 +37,7 @@ def compose_train(overrides: list[str], validate: bool = True):
 
 
 def run_in_process(overrides: list[str]):
-    from trainers.trainer import run_recipe
+    from pardec.trainers.trainer import run_recipe
 
     return run_recipe(compose_train(FAST + overrides))
 
@@ -45,7 +45,7 @@ def run_in_process(overrides: list[str]):
 def run_torchrun(overrides: list[str], nproc: int, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "scripts.train", *FAST, *overrides]
+           "-m", "pardec.cli.train", *FAST, *overrides]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
@@ -59,7 +59,7 @@ def exported_weights(export_dir: Path) -> dict[str, torch.Tensor]:
 def save_tiny_base(out: Path) -> Path:
     """The default training config's tiny model (seed 0) and tokenizer saved as a local checkpoint:
     the shared starting point of the multi-process tests."""
-    from models.loading import load_model, load_tokenizer
+    from pardec.models.loading import load_model, load_tokenizer
 
     cfg = compose_train([])
     torch.manual_seed(0)

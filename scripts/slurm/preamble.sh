@@ -5,7 +5,7 @@
 #                   job per node (read from the controller, so a SLURM_GPUS_ON_NODE exported in the
 #                   submitting shell does not leak in), or 1 when it granted none (a CPU node)
 # and defines `pardec_launch MODULE_ARGS...`: one srun task per node running torchrun
-# (scripts/launch.py, which exits with the workers' exit code) with NPROC_PER_NODE workers; only
+# (pardec/cli/launch.py, which exits with the workers' exit code) with NPROC_PER_NODE workers; only
 # local rank 0 prints to the job log, every rank's full output is kept in <job log>.ranks/.
 
 if [ -z "${SLURM_JOB_ID:-}" ]; then
@@ -48,6 +48,6 @@ pardec_launch() {
     rendezvous=(--nnodes "$SLURM_JOB_NUM_NODES" --rdzv_id "$SLURM_JOB_ID" --rdzv_backend c10d
       --rdzv_endpoint "$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1):$((20000 + SLURM_JOB_ID % 20000))")
   fi
-  srun --ntasks-per-node=1 --kill-on-bad-exit=1 "$PYTHON" -m scripts.launch "${rendezvous[@]}" \
+  srun --ntasks-per-node=1 --kill-on-bad-exit=1 "$PYTHON" -m pardec.cli.launch "${rendezvous[@]}" \
     --nproc_per_node "$NPROC_PER_NODE" --local-ranks-filter 0 --tee 3 --log-dir "$RANK_LOG_DIR" "$@"
 }

@@ -1,0 +1,63 @@
+"""Pieces every decoding benchmark shares: the held-out problems, exact-identity scoring, and writing
+a table with the command that made it."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from pardec.data_pipelines.config import DataConfig
+from pardec.data_pipelines.sources import load_raw_split
+
+# Where the benchmarks save their tables by default: relative to the working directory, so a run
+# from the repository root updates the repository's current tables (``benchmarks/results/``).
+RESULTS = Path("benchmarks/results")
+
+
+def held_out_rows(num_samples: int):
+    """The first ``num_samples`` problems of the embedded default's test split."""
+    data_cfg = OmegaConf.structured(DataConfig)
+    data_cfg.max_eval_samples = num_samples
+    return load_raw_split(data_cfg, "eval")
+
+
+def identical(records, reference) -> float:
+    """Fraction of samples whose output tokens equal the reference's exactly (records sorted by index)."""
+    return sum(r["output_ids"] == ref["output_ids"] for r, ref in zip(records, reference, strict=True)) / len(records)
+
+
+def validation_rows(num_samples: int):
+    """The first ``num_samples`` problems of the embedded default's validation split (disjoint from
+    train and test): where decoders are tuned, so the test problems stay held out."""
+    import datasets
+
+    from pardec.data_pipelines.synthetic_gsm import generate_split
+
+    cfg = OmegaConf.structured(DataConfig).synthetic
+    cfg.num_val = num_samples
+    return datasets.Dataset.from_list(generate_split(cfg, "val"))
+
+
+def split_rows(split: str, num_samples: int):
+    """The first ``num_samples`` problems of ``split``: ``val`` (tuning) or ``test`` (held out)."""
+    if split not in ("val", "test"):
+        raise ValueError(f"split must be 'val' or 'test', got {split!r}")
+    return validation_rows(num_samples) if split == "val" else held_out_rows(num_samples)
+
+
+def invoked_command(module: str) -> str:
+    """``python -m <module> <this process's arguments>``, quoted as a shell would need them."""
+    return f"python -m {module} " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def write_results(out: str | Path, command: str, body: str, payload: Any) -> None:
+    """``<out>.md``: ``Command: <command>`` then ``body``; ``<out>.json``: ``payload``."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(f"Command: {command}\n\n{body}\n")
+    out.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")

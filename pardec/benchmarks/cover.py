@@ -1,0 +1,156 @@
+# python -m pardec.benchmarks.cover --mdm runs/mdm_default/hf
+"""COVER against the MDM decoders it is measured with, on an MDM export of the embedded default.
+
+Rows (same generation length and block, batch 1, greedy, one process, one after the other, each
+after an untimed warm-up on two problems): LLaDA low-confidence with one token per step (the
+paper's baseline, the TPS reference), Fast-dLLM threshold (prefix cache, tau 0.9), WINO (official
+0.6 / 0.9), Saber (official n = 2, mu = 8), COVER (``seed_input=token``, the default), COVER with the
+seeds fed masked as in the paper (``seed_input=mask``), and COVER without KV override (same settings).
+COVER's tau_draft is chosen on a *validation* split first (``--taus``), by ``--select``:
+``accuracy`` (best accuracy, then fewest steps) or ``baselines`` (the fewest steps among the taus
+whose validation accuracy is at least the best of WINO's and Saber's there, which are then run on
+validation too; the most accurate tau when none is: the operating point the issue's claim "fewer
+steps at accuracy no lower" asks about). Then every row runs on the held-out test problems. The
+validation problems are the generator's ``val`` split (disjoint from train and test).
+
+Columns: accuracy (exact ``#### n``), steps per sample (= forwards), TPF (committed tokens /
+forwards), TPS and TPS / baseline (shared CPU: indicative only), revisions per sample (COVER:
+ReMask + Replace; WINO, Saber: ReMask), flip-flops per sample, effective-revision ratio (revisions
+whose position ends with a different token, pooled). Writes ``benchmarks/results/cover.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from pardec.benchmarks.common import RESULTS, held_out_rows, validation_rows, write_results
+from pardec.inference.checkpoint import load_checkpoint
+from pardec.inference.decoders.mdm_common import default_block_size, mdm_info
+from pardec.inference.evaluate import evaluate
+
+SELECT_RULES = ("accuracy", "baselines")
+REVOCABLE_BASELINES = (
+    ("WINO 0.6 / 0.9", {"name": "wino", "threshold": 0.6, "threshold_back": 0.9}),
+    ("Saber n=2 / mu=8", {"name": "saber", "min_tokens": 2, "remask_divisor": 8}),
+)
+
+
+def choose_tau(tuning: list[dict], rule: str, baseline_accuracy: float | None = None) -> dict:
+    """The validation row whose tau_draft the test rows use (``--select``, module docstring)."""
+    most_accurate = max(tuning, key=lambda r: (r["accuracy"], -r["steps_per_sample"]))
+    if rule == "accuracy":
+        return most_accurate
+    good = [r for r in tuning if r["accuracy"] >= baseline_accuracy]
+    return min(good, key=lambda r: (r["steps_per_sample"], -r["accuracy"])) if good else most_accurate
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    p.add_argument("--mdm", required=True, help="MDM export (recipe=mdm)")
+    p.add_argument("--num-samples", type=int, default=200)
+    p.add_argument("--num-validation", type=int, default=200)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="decoding block (default: the MDM's attention block for block models, else 32)")
+    p.add_argument("--taus", default="0.7,0.8,0.9", help="COVER tau_draft grid, tuned on the validation split")
+    p.add_argument("--select", choices=SELECT_RULES, default="accuracy",
+                   help="how tau_draft is chosen on validation (module docstring)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=str(RESULTS / "cover"))
+    return p.parse_args()
+
+
+def run(model, tok, rows, decoder: dict, warmup) -> dict:
+    evaluate(model, tok, warmup, decoder, agreement=False, shard=False)  # untimed warm-up
+    start = time.time()
+    result = evaluate(model, tok, rows, decoder, agreement=False, shard=False)
+    m = result.metrics
+    steps = m.get("steps_per_sample", m["dlm_forwards_per_sample"])
+    return {
+        "accuracy": m["accuracy"], "steps_per_sample": steps, "tpf": m["tpf"], "tps": m["tps"],
+        "revisions_per_sample": m.get("revisions_per_sample"), "flip_flops_per_sample": m.get("flip_flops_per_sample"),
+        "effective_revision_ratio": m.get("effective_revision_ratio"), "seconds": time.time() - start,
+    }
+
+
+def table_md(table: list[dict]) -> str:
+    def fmt(v, spec):
+        return "—" if v is None else format(v, spec)
+
+    header = ("| decoder | accuracy | steps/sample | TPF | TPS | TPS / baseline | revisions/sample | flip-flops/sample "
+              "| eff. revision ratio |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
+    for r in table:
+        ratio = r["effective_revision_ratio"] if r["revisions_per_sample"] else None  # 0/0: no revisions
+        lines.append(f"| {r['decoder']} | {r['accuracy']:.1%} | {r['steps_per_sample']:.2f} | {r['tpf']:.2f} | "
+                     f"{r['tps']:.1f} | {r['tps_ratio']:.2f}x | {fmt(r['revisions_per_sample'], '.2f')} | "
+                     f"{fmt(r['flip_flops_per_sample'], '.2f')} | {fmt(ratio, '.1%')} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    model, tok = load_checkpoint(args.mdm, device="cpu")
+    if args.block_size is None:
+        args.block_size = default_block_size(mdm_info(model))
+    test = held_out_rows(args.num_samples)
+    val = validation_rows(args.num_validation)
+    warmup = test.select(range(min(2, len(test))))
+    common = {"max_new_tokens": args.max_new_tokens, "block_size": args.block_size, "batch_size": 1}
+
+    tuning = []
+    for tau in (float(t) for t in args.taus.split(",")):
+        row = {"tau_draft": tau, **run(model, tok, val, {"name": "cover", "draft_threshold": tau, **common}, warmup)}
+        tuning.append(row)
+        print("validation", json.dumps(row), flush=True)
+    baselines_val = []
+    if args.select == "baselines":
+        for label, decoder in REVOCABLE_BASELINES:
+            baselines_val.append({"decoder": label, **run(model, tok, val, {**decoder, **common}, warmup)})
+            print("validation", json.dumps(baselines_val[-1]), flush=True)
+    baseline_accuracy = max((r["accuracy"] for r in baselines_val), default=None)
+    tau = choose_tau(tuning, args.select, baseline_accuracy)["tau_draft"]
+
+    rows = [
+        ("LLaDA low-confidence, 1 token/step (baseline)", {"name": "mdm_lowconf"}),
+        ("Fast-dLLM threshold 0.9 (prefix cache)", {"name": "mdm_threshold", "threshold": 0.9}),
+        *REVOCABLE_BASELINES,
+        (f"COVER tau={tau}", {"name": "cover", "draft_threshold": tau}),
+        (f"COVER tau={tau}, seeds fed masked (paper)", {"name": "cover", "draft_threshold": tau, "seed_input": "mask"}),
+        (f"COVER tau={tau} without override", {"name": "cover", "draft_threshold": tau, "override": False}),
+    ]
+    table = []
+    for label, decoder in rows:
+        row = {"decoder": label, "config": decoder, **run(model, tok, test, {**decoder, **common}, warmup)}
+        row["tps_ratio"] = row["tps"] / table[0]["tps"] if table else 1.0
+        table.append(row)
+        print(json.dumps(row), flush=True)
+
+    md = table_md(table)
+    tune_md = "\n".join(["| tau_draft | accuracy | steps/sample | eff. revision ratio |", "|---|---|---|---|"] + [
+        f"| {r['tau_draft']} | {r['accuracy']:.1%} | {r['steps_per_sample']:.2f} | {r['effective_revision_ratio']:.1%} |"
+        for r in tuning])
+    if baselines_val:
+        tune_md += "\n\nRevocable baselines on validation (the bar for --select baselines):\n\n" + "\n".join(
+            ["| decoder | accuracy | steps/sample |", "|---|---|---|"]
+            + [f"| {r['decoder']} | {r['accuracy']:.1%} | {r['steps_per_sample']:.2f} |" for r in baselines_val])
+    print(md)
+    command = (f"python -m pardec.benchmarks.cover --mdm {args.mdm} --num-samples {args.num_samples} --num-validation "
+               f"{args.num_validation} --max-new-tokens {args.max_new_tokens} --block-size {args.block_size} "
+               f"--taus {args.taus} --select {args.select} --threads {args.threads}")
+    write_results(args.out, command,
+                  f"Checkpoint: {args.mdm}. Test: the first {args.num_samples} held-out problems; COVER's tau_draft "
+                  f"tuned on the first {args.num_validation} problems of the generator's val split. CPU, "
+                  f"{args.threads} thread(s), shared machine: TPS is indicative only.\n\nValidation (COVER):\n\n"
+                  f"{tune_md}\n\nTest:\n\n{md}",
+                  {"validation": tuning, "validation_baselines": baselines_val, "test": table})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,332 @@
+# python -m pardec.benchmarks.jacobi_forcing --base runs/default_base/hf --round1 runs/jacobi_forcing_default/stages/00-round1/hf --round2 runs/jacobi_forcing_default/stages/01-round2/hf
+"""Jacobi Forcing on the embedded default: AR greedy vs Jacobi decoding before and after each
+progressive-distillation round vs multi-block decoding with rejection recycling; and the training
+cost of the packed single-forward loss against naive per-block forwards.
+
+Decoding (table 1). All rows decode the same held-out problems (the synthetic test split) one
+sample at a time (batch 1) in one process, one after the other, so their TPS are comparable; TPS
+ratios are to AR greedy of the base measured in this run (every row first decodes two problems
+untimed, as a warm-up). Each model's AR greedy output is decoded once (its own row) and is the
+reference of that model's parallel rows. Columns:
+
+* accuracy: exact final answer (``#### n``);
+* = own AR greedy: fraction of samples whose tokens equal the SAME model's AR greedy output
+  exactly (Jacobi and multi-block decoding are lossless: 100% up to numerical near-ties);
+* = base AR greedy: the same against the base's AR greedy output (how far training moved the model);
+* TPF = committed tokens / decoding forwards (SPEC §0), TPS and its ratio to base AR greedy.
+
+Jacobi rows use the block size a checkpoint was trained at (the checkpoint metadata's ``jacobi_block_size``),
+the base the round-2 block size (``--base-block-size``); drafts start from tokens drawn from the
+prompt and the committed tokens (``draft_init=context``, the training noise). The multi-block rows
+run the round-2 model with K blocks in flight, spawn ratio r, an n-gram pool and a verification
+size (the paper's K=2, r=0.85 and verification size 4 by default; SPEC §2). The block size is a
+decoding choice: round 2 is also decoded (Jacobi and multi-block) at ``--wide-block-size`` (twice
+its trained block by default), as the paper does: trained at n = 32, it decodes Jacobi at n = 128
+and MR at n = 64 (§4.1, §4.3).
+
+Training efficiency (table 2). One realistic micro-batch: Jacobi trajectories of the base on
+``--train-samples`` training prompts at block size ``--train-block-size``, noisy states chosen by
+the progressive schedule (window ``--train-window``), packed by
+``pardec.data_pipelines.jacobi_batch.build_jacobi_batch`` into rows of ``--pack-length``. Timed, each a
+forward + L = L_pc + 30 L_AR + backward with the base in train mode:
+
+* packed: ONE forward over the packed rows with the NC mask (what the trainer runs);
+* naive: per sample and block j, one causal forward for the noisy block on
+  ``[prompt, k_0 .. k_{j-1}, k_j]`` and one for the clean block on ``[prompt, c_0 .. c_j]``
+  (2N forwards per sample of N blocks), the same loss computed from their logits.
+
+The two losses must agree (checked, reported); ratio = naive time / packed time (median of
+``--train-repeats`` after one warm-up each). SPEC goal: ratio >= half the number of blocks.
+
+Writes ``benchmarks/results/jacobi_forcing.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from pardec.benchmarks.common import RESULTS, held_out_rows, identical, invoked_command, write_results
+from pardec.common.errors import ConfigError
+from pardec.data_pipelines.config import DataConfig
+from pardec.data_pipelines.jacobi_batch import build_jacobi_batch
+from pardec.data_pipelines.jacobi_noise import select_noisy_blocks
+from pardec.data_pipelines.jacobi_trajectories import CollectSettings, collect_one
+from pardec.data_pipelines.sources import load_raw_split
+from pardec.data_pipelines.tokenize import format_prompt_ids
+from pardec.inference.checkpoint import load_checkpoint
+from pardec.inference.decoders.jacobi import resolve_block_size
+from pardec.inference.evaluate import evaluate
+from pardec.losses.jacobi import jacobi_forcing_loss
+from pardec.methods.base import forward_logits
+
+AR_WEIGHT = 30.0  # pardec/recipes/experiment/jacobi_forcing_default.yaml
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--base", required=True, help="AR base export (HF dir)")
+    p.add_argument("--round1", required=True, help="Jacobi Forcing round-1 export")
+    p.add_argument("--round2", required=True, help="Jacobi Forcing round-2 export")
+    p.add_argument("--num-samples", type=int, default=200)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--base-block-size", type=int, default=None,
+                   help="Jacobi block size for the base (default: the round-2 block size)")
+    p.add_argument("--wide-block-size", type=int, default=None,
+                   help="a decode-time block wider than round 2's trained one, for extra Jacobi and multi-block "
+                        "rows of round 2 (default: twice the round-2 block size; 0 = no extra rows)")
+    p.add_argument("--num-blocks", type=int, default=2, help="multi-block K")
+    p.add_argument("--spawn-ratio", type=float, default=0.85, help="multi-block r")
+    p.add_argument("--ngram-pool-size", type=int, default=4)
+    p.add_argument("--verification-size", type=int, default=4)
+    # The timed micro-batch; defaults = round 1 of pardec/recipes/experiment/jacobi_forcing_default.yaml.
+    p.add_argument("--train-samples", type=int, default=16, help="prompts in the timed micro-batch")
+    p.add_argument("--train-block-size", type=int, default=8)
+    p.add_argument("--train-window", type=int, default=4)
+    p.add_argument("--train-max-new-tokens", type=int, default=64)
+    p.add_argument("--pack-length", type=int, default=512)
+    p.add_argument("--train-repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=str(RESULTS / "jacobi_forcing"))
+    return p.parse_args()
+
+
+def trained_block_size(model, path: str) -> int:
+    try:
+        return resolve_block_size(model, None)
+    except ConfigError as err:
+        sys.exit(f"{path}: {err}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Table 1: decoding
+# ---------------------------------------------------------------------------------------------
+
+
+def decoding_table(args, models: dict, eval_rows) -> list[dict]:
+    n1 = trained_block_size(models["round1"][0], args.round1)
+    n2 = trained_block_size(models["round2"][0], args.round2)
+    base_n = args.base_block_size or n2
+    wide_n = 2 * n2 if args.wide_block_size is None else args.wide_block_size
+    common = {"max_new_tokens": args.max_new_tokens, "batch_size": 1}
+    jacobi = lambda n: {"name": "jacobi", "block_size": n, "draft_init": "context", **common}  # noqa: E731
+
+    def multiblock(n: int) -> tuple[str, str, dict]:
+        label = (f"Multi-block + recycling n={n} K={args.num_blocks} r={args.spawn_ratio} "
+                 f"pool={args.ngram_pool_size} verify={args.verification_size} (round 2)")
+        return label, "round2", {"name": "multiblock", "block_size": n, "num_blocks": args.num_blocks,
+                                 "spawn_ratio": args.spawn_ratio, "ngram_pool_size": args.ngram_pool_size,
+                                 "verification_size": args.verification_size, "draft_init": "context", **common}
+
+    rows = [
+        ("AR greedy (base)", "base", {"name": "ar", **common}),
+        (f"Jacobi n={base_n} (base, untrained)", "base", jacobi(base_n)),
+        ("AR greedy (round 1)", "round1", {"name": "ar", **common}),
+        (f"Jacobi n={n1} (round 1)", "round1", jacobi(n1)),
+        ("AR greedy (round 2)", "round2", {"name": "ar", **common}),
+        (f"Jacobi n={n2} (round 2)", "round2", jacobi(n2)),
+        multiblock(n2),
+    ]
+    if wide_n:
+        rows += [(f"Jacobi n={wide_n} (round 2, trained at n={n2})", "round2", jacobi(wide_n)), multiblock(wide_n)]
+    table, own_ar = [], {}
+    warmup = eval_rows.select(range(min(2, len(eval_rows))))
+    for label, which, decoder in rows:
+        model, tok = models[which]
+        # Untimed warm-up (first-call allocations and lazy initialisation would bias the first row).
+        evaluate(model, tok, warmup, decoder, agreement=False, shard=False)
+        result = evaluate(model, tok, eval_rows, decoder, agreement=False, shard=False, progress=True)
+        m, recs = result.metrics, sorted(result.records, key=lambda r: r["index"])
+        if decoder["name"] == "ar":
+            own_ar[which] = recs  # every model's AR greedy row comes before its parallel rows
+        row = {
+            "decoder": label, "model": which, "decoder_config": decoder, "accuracy": m["accuracy"],
+            "identical_to_own_ar": identical(recs, own_ar[which]),
+            "identical_to_base": identical(recs, own_ar["base"]),
+            "tpf": m["tpf"], "tps": m["tps"], "tps_ratio": m["tps"] / table[0]["tps"] if table else 1.0,
+            "mean_new_tokens": m["mean_new_tokens"], "eos_rate": m["eos_rate"],
+        }
+        table.append(row)
+        print(json.dumps(row), flush=True)
+    return table
+
+
+# ---------------------------------------------------------------------------------------------
+# Table 2: packed single forward vs naive per-block forwards
+# ---------------------------------------------------------------------------------------------
+
+
+def training_samples(args, model, tok) -> list[dict]:
+    """Training examples as the recipe builds them: base trajectories + progressive noise schedule."""
+    data_cfg = OmegaConf.structured(DataConfig)
+    data_cfg.max_train_samples = args.train_samples
+    rows = load_raw_split(data_cfg, "train")
+    settings = CollectSettings(block_size=args.train_block_size, max_new_tokens=args.train_max_new_tokens,
+                               eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id)
+    samples = []
+    with torch.no_grad():
+        for i, row in enumerate(rows):
+            traj = collect_one(model, i, format_prompt_ids(tok, row["prompt"], "plain"), settings)
+            noisy = select_noisy_blocks(traj["states"], traj["fixed_points"], traj["valid_lens"],
+                                        args.train_window, "progressive", (0, i))
+            samples.append({"prompt_ids": traj["prompt_ids"], "noisy_blocks": noisy,
+                            "clean_blocks": traj["fixed_points"], "valid_lens": traj["valid_lens"]})
+    return samples
+
+
+def packed_loss(model, batch) -> torch.Tensor:
+    logits = forward_logits(model, batch)  # [r, s, V]
+    total, _ = jacobi_forcing_loss(logits, batch["labels"], batch["pc_student_index"], batch["pc_teacher_index"],
+                                   batch["n_blocks"], AR_WEIGHT)
+    return total
+
+
+def naive_loss(model, samples: list[dict], n: int) -> tuple[torch.Tensor, int]:
+    """The same L = L_pc + w * L_AR from 2N plain causal forwards per sample (batch 1 each).
+
+    Block j: noisy forward on [prompt, k_0..k_{j-1}, k_j], clean forward on [prompt, c_0..c_j].
+    L_pc: KL(clean || noisy, teacher detached) at offsets from the block's first mismatch to its last
+    offset with a prediction (n - 1; valid_len - 2 in the EOS block), summed over the batch and divided
+    by its number of blocks. L_AR: the prompt's last logit (from block 0's clean forward) predicts the
+    first answer token, clean slot (j, o) the answer token j*n + o + 1 when it exists; token mean.
+    Returns the loss and the number of forwards.
+    """
+    device = next(model.parameters()).device
+
+    def run(seq: list[int]) -> torch.Tensor:
+        return model(input_ids=torch.tensor([seq], device=device), use_cache=False).logits[0]  # [len, V]
+
+    kl_sum, blocks, forwards = 0.0, 0, 0
+    ce_logits, ce_targets = [], []
+    for s in samples:
+        prompt, valid = list(s["prompt_ids"]), s["valid_lens"]
+        p = len(prompt)
+        answer = [t for c, v in zip(s["clean_blocks"], valid) for t in c[:v]]
+        for j, (k, c, v) in enumerate(zip(s["noisy_blocks"], s["clean_blocks"], valid)):
+            blocks += 1
+            noisy_ctx = [t for b in s["noisy_blocks"][:j] for t in b]
+            clean_ctx = [t for b in s["clean_blocks"][:j] for t in b]
+            noisy = run(prompt + noisy_ctx + list(k))[-n:]  # [n, V]
+            clean_all = run(prompt + clean_ctx + list(c))  # [P + (j+1)n, V]
+            forwards += 2
+            clean = clean_all[-n:]  # [n, V]
+            if j == 0:
+                ce_logits.append(clean_all[p - 1 : p])
+                ce_targets.append(answer[0])
+            for o in range(n):
+                if j * n + o + 1 < len(answer):
+                    ce_logits.append(clean[o : o + 1])
+                    ce_targets.append(answer[j * n + o + 1])
+            mismatches = [o for o in range(v) if k[o] != c[o]]
+            if mismatches:
+                last = n - 1 if v == n else v - 2
+                offsets = torch.arange(mismatches[0], last + 1, device=device)
+                log_t = F.log_softmax(clean[offsets].detach().float(), -1)
+                log_s = F.log_softmax(noisy[offsets].float(), -1)
+                kl_sum = kl_sum + (log_t.exp() * (log_t - log_s)).sum()
+    l_pc = kl_sum / blocks
+    l_ar = F.cross_entropy(torch.cat(ce_logits).float(), torch.tensor(ce_targets, device=device))
+    return l_pc + AR_WEIGHT * l_ar, forwards
+
+
+def timed(fn, repeats: int, model) -> tuple[float, float]:
+    """(median seconds of forward + loss + backward, loss value); one untimed warm-up first."""
+    times, value = [], None
+    for i in range(repeats + 1):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        loss = fn()
+        loss.backward()
+        elapsed = time.perf_counter() - start
+        value = float(loss.detach())
+        if i:
+            times.append(elapsed)
+    model.zero_grad(set_to_none=True)
+    return statistics.median(times), value
+
+
+def efficiency_table(args, model, tok) -> dict:
+    samples = training_samples(args, model, tok)
+    n = args.train_block_size
+    batch = build_jacobi_batch(samples, block_size=n, pack_length=args.pack_length, pad_token_id=tok.pad_token_id,
+                               mask="nc", window=args.train_window)
+    blocks = [len(s["clean_blocks"]) for s in samples]
+    model.train()
+    try:
+        packed_s, packed_value = timed(lambda: packed_loss(model, batch), args.train_repeats, model)
+        naive_holder = {}
+
+        def naive():
+            loss, naive_holder["forwards"] = naive_loss(model, samples, n)
+            return loss
+
+        naive_s, naive_value = timed(naive, args.train_repeats, model)
+    finally:
+        model.eval()
+    ratio = naive_s / packed_s
+    mean_blocks = sum(blocks) / len(blocks)
+    row = {
+        "samples": len(samples), "block_size": n, "window": args.train_window,
+        "blocks_per_sample_mean": mean_blocks, "blocks_per_sample_max": max(blocks), "blocks_total": sum(blocks),
+        "packed_rows": int(batch["input_ids"].shape[0]), "pack_length": args.pack_length,
+        "packed_forwards": 1, "naive_forwards": naive_holder["forwards"],
+        "packed_s": packed_s, "naive_s": naive_s, "ratio": ratio, "goal": mean_blocks / 2,
+        "meets_goal": ratio >= mean_blocks / 2,
+        "packed_loss": packed_value, "naive_loss": naive_value,
+        "loss_rel_diff": abs(packed_value - naive_value) / max(abs(naive_value), 1e-12),
+    }
+    print(json.dumps(row), flush=True)
+    if row["loss_rel_diff"] > 1e-3:
+        sys.exit(f"packed loss {packed_value} != naive loss {naive_value}: the comparison is not like for like")
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    eval_rows = held_out_rows(args.num_samples)
+
+    models = {name: load_checkpoint(getattr(args, name), device="cpu") for name in ("base", "round1", "round2")}
+    table = decoding_table(args, models, eval_rows)
+    efficiency = efficiency_table(args, *models["base"])
+
+    fmt = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
+    lines = ["| decoder | accuracy | = own AR greedy | = base AR greedy | TPF | TPS | TPS / base AR |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [
+        f"| {r['decoder']} | {fmt(r['accuracy'], '.1%')} | {r['identical_to_own_ar']:.1%} | "
+        f"{r['identical_to_base']:.1%} | {r['tpf']:.2f} | {r['tps']:.1f} | {r['tps_ratio']:.2f}x |"
+        for r in table
+    ]
+    e = efficiency
+    lines += [
+        "",
+        f"Training step (forward + L_pc + {AR_WEIGHT:g} L_AR + backward, base model, median of {args.train_repeats}): "
+        f"one micro-batch of {e['samples']} samples, n={e['block_size']}, w={e['window']}.",
+        "",
+        "| blocks / sample (mean, max) | packed: forwards, rows x length, time | naive per-block: forwards, time "
+        "| speed-up | goal (>= blocks / 2) | loss packed / naive |",
+        "|---|---|---|---|---|---|",
+        f"| {e['blocks_per_sample_mean']:.2f}, {e['blocks_per_sample_max']} | 1, {e['packed_rows']} x "
+        f"{e['pack_length']}, {e['packed_s'] * 1e3:.0f} ms | {e['naive_forwards']}, {e['naive_s'] * 1e3:.0f} ms | "
+        f"{e['ratio']:.1f}x | {e['goal']:.2f} ({'met' if e['meets_goal'] else 'NOT met'}) | "
+        f"{e['packed_loss']:.4f} / {e['naive_loss']:.4f} |",
+    ]
+    md = "\n".join(lines)
+    print(md)
+    command = invoked_command("pardec.benchmarks.jacobi_forcing")
+    write_results(args.out, command, md, {"command": command, "decoding": table, "training_efficiency": efficiency})
+
+
+if __name__ == "__main__":
+    main()

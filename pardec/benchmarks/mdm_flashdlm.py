@@ -1,0 +1,143 @@
+# python -m pardec.benchmarks.mdm_flashdlm --base runs/default_base/hf --mdm runs/mdm_default/hf
+"""MDM + FlashDLM on the embedded default: AR greedy of the base vs the converted MDM decoded with
+LLaDA low-confidence remasking (the baseline, one token per step, and two), Fast-dLLM threshold
+decoding, FreeCache (refresh and the official freeze-at-last-step) and AR-guided diffusion.
+
+All rows decode the same problems one sample at a time (batch 1) in one process, one after the
+other, each after an untimed warm-up on two problems, so their TPS are comparable. MDM rows use a
+fixed generation length ``--gen-length`` in blocks of ``--block-size`` and stop once everything
+up to the first EOS is committed (``pardec.inference.decoders.mdm_common``); the guide is the AR base the
+MDM was converted from. Columns:
+
+* accuracy: exact final answer (``#### n``); = base AR greedy: fraction of samples whose tokens equal
+  the base's AR greedy output exactly (guided ``shifted`` + strict must be 100%);
+* TPF = committed tokens / all forwards (DLM + guide), TPF (DLM) = committed / DLM forwards;
+* DLM forwards and guide forwards per sample; guide acceptance = accepted / verified drafts; TPS = committed tokens / decoding-loop wall time;
+* TPS / MDM baseline (the low-confidence row at one token per step) and TPS / base AR greedy.
+
+``--split test`` (default): the first ``--num-samples`` problems of the synthetic test split.
+``--split val``: the first ``--num-samples`` problems of the generator's validation split (disjoint
+from train and test), where the committed defaults are chosen; the test problems stay held out.
+
+Writes ``benchmarks/results/mdm_flashdlm.{md,json}`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from pardec.benchmarks.common import RESULTS, identical, invoked_command, split_rows, write_results
+from pardec.inference.checkpoint import load_checkpoint
+from pardec.inference.decoders.mdm_common import default_block_size, mdm_info
+from pardec.inference.evaluate import evaluate
+
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    p.add_argument("--base", required=True, help="AR base export (also the guide)")
+    p.add_argument("--mdm", required=True, help="MDM export (recipe=mdm)")
+    p.add_argument("--num-samples", type=int, default=200)
+    p.add_argument("--split", choices=("test", "val"), default="test")
+    p.add_argument("--gen-length", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="decoding block (default: the MDM's attention block for block models, else 32)")
+    p.add_argument("--threshold", type=float, default=0.9)
+    p.add_argument("--rows", default="all", help="comma-separated row keys to run (see ROWS), or all")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=str(RESULTS / "mdm_flashdlm"))
+    return p.parse_args()
+
+
+def rows_config(args) -> list[tuple[str, str, str, dict | None]]:
+    """(key, label, model, decoder config) per row; the baseline row is ``lowconf1``."""
+    mdm = {"max_new_tokens": args.gen_length, "block_size": args.block_size, "batch_size": 1}
+    fc = {"freecache": True}
+    guided = {"name": "mdm_guided", "guide": args.base, **mdm}
+    half = max(args.block_size // 2, 1)
+    return [
+        ("ar", "AR greedy (base)", "base", {"name": "ar", "max_new_tokens": args.gen_length, "batch_size": 1}),
+        ("lowconf1", "MDM low-confidence, 1 token/step (baseline)", "mdm", {"name": "mdm_lowconf", **mdm}),
+        ("lowconf2", "MDM low-confidence, 2 tokens/step", "mdm",
+         {"name": "mdm_lowconf", "steps_per_block": half, **mdm}),
+        ("threshold", f"MDM Fast-dLLM threshold tau={args.threshold} (prefix cache)", "mdm",
+         {"name": "mdm_threshold", "threshold": args.threshold, **mdm}),
+        ("fc_refresh", "FreeCache (refresh), low-confidence 1/step", "mdm", {"name": "mdm_lowconf", **fc, **mdm}),
+        ("fc_freeze", "FreeCache (freeze at last step, official), low-confidence 1/step", "mdm",
+         {"name": "mdm_lowconf", **fc, "freecache_mode": "freeze_last", **mdm}),
+        ("fc_guided_strict", "FreeCache + guided (assisted, strict)", "mdm", {**guided, **fc}),
+        ("fc_guided_relaxed", "FreeCache + guided (assisted, relaxed 0.5)", "mdm",
+         {**guided, **fc, "acceptance": "relaxed"}),
+        ("guided_shifted", "Guided (shifted, strict; = base AR greedy)", "mdm", {**guided, "commit": "shifted"}),
+    ]
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    eval_rows = split_rows(args.split, args.num_samples)
+    models = {"base": load_checkpoint(args.base, device="cpu"), "mdm": load_checkpoint(args.mdm, device="cpu")}
+    guide = models["base"][0]
+    if args.block_size is None:
+        args.block_size = default_block_size(mdm_info(models["mdm"][0]))
+    selected = rows_config(args)
+    if args.rows != "all":
+        keys = set(args.rows.split(","))
+        selected = [r for r in selected if r[0] in keys]
+
+    table, ar_records = [], None
+    warmup = eval_rows.select(range(min(2, len(eval_rows))))
+    for key, label, which, decoder in selected:
+        model, tok = models[which]
+        aux = {"guide": guide} if decoder.get("name") == "mdm_guided" else None
+        evaluate(model, tok, warmup, decoder, agreement=False, shard=False, auxiliary=aux)  # untimed warm-up
+        result = evaluate(model, tok, eval_rows, decoder, agreement=False, shard=False, progress=True, auxiliary=aux)
+        m, recs = result.metrics, sorted(result.records, key=lambda r: r["index"])
+        if key == "ar":
+            ar_records = recs
+        n = len(recs)
+        dlm = sum(r["stats"].get("dlm_forwards", 0) for r in recs)
+        guide_f = sum(r["stats"].get("guide_forwards", 0) for r in recs)
+        committed = sum(r["committed"] for r in recs)
+        row = {
+            "key": key, "decoder": label, "config": decoder, "accuracy": m["accuracy"], "tpf": m["tpf"],
+            "tpf_dlm": committed / dlm if dlm else None,
+            "dlm_forwards_per_sample": dlm / n if which == "mdm" else None,
+            "guide_forwards_per_sample": guide_f / n if which == "mdm" else None,
+            "ar_forwards_per_sample": sum(r["forwards"] for r in recs) / n if which == "base" else None,
+            "tokens_per_sample": committed / n, "tps": m["tps"],
+            "guide_acceptance": m.get("guide_acceptance"),
+            "identical_to_base_ar": identical(recs, ar_records) if ar_records is not None else None,
+        }
+        table.append(row)
+        print(json.dumps(row), flush=True)
+
+    by_key = {r["key"]: r for r in table}
+    for r in table:
+        r["tps_vs_mdm_baseline"] = r["tps"] / by_key["lowconf1"]["tps"] if "lowconf1" in by_key else None
+        r["tps_vs_base_ar"] = r["tps"] / by_key["ar"]["tps"] if "ar" in by_key else None
+
+    fmt = lambda v, spec: "—" if v is None else format(v, spec)
+    header = ("| decoder | accuracy | = base AR greedy | TPF | TPF (DLM) | DLM fwd / sample | guide fwd / sample | "
+              "guide acceptance | TPS | TPS / MDM baseline | TPS / base AR |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    lines = [header] + [
+        f"| {r['decoder']} | {r['accuracy']:.1%} | {fmt(r['identical_to_base_ar'], '.1%')} | {r['tpf']:.2f} | "
+        f"{fmt(r['tpf_dlm'], '.2f')} | "
+        f"{fmt(r['dlm_forwards_per_sample'], '.1f')} | "
+        f"{fmt(r['guide_forwards_per_sample'], '.1f')} | {fmt(r['guide_acceptance'], '.2f')} | {r['tps']:.1f} | {fmt(r['tps_vs_mdm_baseline'], '.2f')}x | "
+        f"{fmt(r['tps_vs_base_ar'], '.2f')}x |"
+        for r in table
+    ]
+    md = "\n".join(lines)
+    print(md)
+    split = "test split" if args.split == "test" else "validation split"
+    write_results(args.out, invoked_command("pardec.benchmarks.mdm_flashdlm"),
+                  f"{len(eval_rows)} problems ({split}), generation length {args.gen_length}, "
+                  f"block {args.block_size}, batch 1, CPU ({args.threads} threads).\n\n{md}", table)
+
+
+if __name__ == "__main__":
+    main()

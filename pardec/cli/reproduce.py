@@ -1,0 +1,199 @@
+# bash scripts/reproduce.sh            (or: .venv/bin/python -m pardec.cli.reproduce [--only NAME ...] [--dry-run])
+"""Reproduce every table of the README on one machine: the embedded default base, each conversion
+(I-DLM, R-ISD, Jacobi Forcing, ReFusion, MDM), each method's benchmark and the summary table.
+
+Steps run in order, each as its own process, with its output in ``runs/reproduce/logs/<step>.log``,
+single-threaded (``OMP_NUM_THREADS=1``, benchmarks ``--threads 1``): on the 2-core machine torch's
+two OpenMP threads ran the base's training at 1.3-1.6 s per step, against 0.1 s alone, whenever
+anything else used a core; one thread per step keeps the times stable and leaves a core free.
+The run is resumable: a training step is done when its run directory holds ``DONE`` (the trainer
+itself resumes an interrupted run from its last checkpoint); a benchmark step is done when
+``runs/reproduce/<step>.done`` records the same inputs (the ``DONE`` files of the runs it reads) as
+now, so a re-trained conversion is benchmarked again. Wall time per step is printed and kept in
+``runs/reproduce/steps.json``. Everything is relative to the working directory, the repository
+root when started by ``scripts/reproduce.sh`` (it writes the repository's ``benchmarks/results/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+STATE = Path("runs/reproduce")
+PY = [sys.executable]
+TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    name: str
+    command: list[str]
+    # Training steps: the (last stage's) run directory whose DONE marks completion. Benchmarks: None.
+    run_dir: str | None = None
+    # Run directories whose DONE files a benchmark reads (a change re-runs it).
+    inputs: tuple[str, ...] = ()
+
+
+def train(experiment: str, final_stage: str | None = None, launcher: list[str] = PY) -> Step:
+    """A conversion; a multi-stage recipe is done when its last stage (``stages/<final_stage>``) is."""
+    run_dir = f"runs/{experiment}" + (f"/stages/{final_stage}" if final_stage else "")
+    return Step(experiment, [*launcher, "-m", "pardec.cli.train", f"experiment={experiment}"], run_dir=run_dir)
+
+
+def bench(name: str, args: list[str], inputs: tuple[str, ...]) -> Step:
+    return Step(name, [*PY, "-m", f"benchmarks.{name}", *args], inputs=inputs)
+
+
+BASE = "runs/default_base/hf"
+IDLM = "runs/idlm_default/stages/03-stride4_more"
+JACOBI = "runs/jacobi_forcing_default/stages/01-round2"
+STEPS: tuple[Step, ...] = (
+    train("default_base"),
+    train("idlm_default", "03-stride4_more"),
+    train("idlm_lora_default"),
+    bench("idlm_isd", ["--base", BASE, "--idlm", f"{IDLM}/hf",
+                       "--risd", "runs/idlm_lora_default/hf", "--threads", "1"],
+          ("runs/default_base", IDLM, "runs/idlm_lora_default")),
+    train("jacobi_forcing_default", "01-round2", TORCHRUN_2),
+    bench("jacobi_forcing", ["--base", BASE, "--round1", "runs/jacobi_forcing_default/stages/00-round1/hf",
+                             "--round2", f"{JACOBI}/hf", "--threads", "1"],
+          ("runs/default_base", JACOBI)),
+    train("refusion_default"),
+    bench("refusion", ["--base", BASE, "--refusion", "runs/refusion_default/hf", "--block-sizes", "8", "16",
+                       "--thresholds", "0.9", "0.7", "0.5", "0.3", "--threads", "1"],
+          ("runs/default_base", "runs/refusion_default")),
+    train("mdm_default"),
+    bench("mdm_flashdlm", ["--base", BASE, "--mdm", "runs/mdm_default/hf", "--threads", "1"],
+          ("runs/default_base", "runs/mdm_default")),
+    bench("cover", ["--mdm", "runs/mdm_default/hf", "--threads", "1"], ("runs/mdm_default",)),
+    bench("summary", [], ("runs/default_base", IDLM, "runs/idlm_lora_default", JACOBI, "runs/refusion_default",
+                          "runs/mdm_default")),
+)
+
+
+def inputs_digest(step: Step) -> str:
+    """Digest of the DONE files a benchmark reads; a missing one is an error (order is wrong)."""
+    digest = hashlib.sha256()
+    for run_dir in step.inputs:
+        done = Path(run_dir) / "DONE"
+        if not done.is_file():
+            raise SystemExit(f"step {step.name!r} needs {done}, which does not exist: run the steps before it")
+        digest.update(f"{run_dir}\0".encode() + done.read_bytes())
+    return digest.hexdigest()
+
+
+def is_done(step: Step) -> bool:
+    if step.run_dir is not None:
+        return (Path(step.run_dir) / "DONE").is_file()
+    marker = STATE / f"{step.name}.done"
+    return marker.is_file() and marker.read_text().strip() == inputs_digest(step)
+
+
+def mark_done(step: Step) -> None:
+    if step.run_dir is None:
+        marker = STATE / f"{step.name}.done"
+        tmp = marker.with_suffix(".tmp")
+        tmp.write_text(inputs_digest(step) + "\n")
+        tmp.replace(marker)
+
+
+def last_line(path: Path) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, path.stat().st_size - 4096))
+            tail = f.read().decode(errors="replace").replace("\r", "\n").strip().splitlines()
+    except OSError:
+        return ""
+    return tail[-1][:150] if tail else ""
+
+
+def run_step(step: Step, index: int, total: int, heartbeat_s: float) -> float:
+    """Run one step; its time so far is kept in steps.json at every heartbeat, so an attempt that is
+    killed (a session or job ending) still counts when a later invocation finishes the step."""
+    log_path = STATE / "logs" / f"{step.name}.log"
+    print(f"[{index}/{total}] {step.name}: {' '.join(step.command[1:])}  (log: {log_path})", flush=True)
+    previous = step_times().get(step.name, {})
+    earlier = previous.get("seconds", 0.0) if previous.get("finished") is None else 0.0  # unfinished attempts
+    start = time.perf_counter()
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(heartbeat_s):
+            elapsed = time.perf_counter() - start
+            record(step.name, earlier + elapsed, finished=False)
+            print(f"    ... {step.name} {elapsed:6.0f} s | {last_line(log_path)}", flush=True)
+
+    with log_path.open("a") as log:
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(step.command)}\n")
+        log.flush()
+        beater = threading.Thread(target=beat, daemon=True)
+        beater.start()
+        try:
+            code = subprocess.call(step.command, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+        finally:
+            stop.set()
+            beater.join()
+    seconds = earlier + time.perf_counter() - start
+    record(step.name, seconds, finished=code == 0)
+    if code != 0:
+        raise SystemExit(f"step {step.name!r} failed with exit code {code} after {seconds:.0f} s; "
+                         f"see {log_path}; re-run the same command to resume")
+    mark_done(step)
+    return seconds
+
+
+def step_times() -> dict:
+    path = STATE / "steps.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def record(name: str, seconds: float, finished: bool) -> None:
+    """Wall seconds of a step over all its attempts; ``finished`` is the time it completed, or null."""
+    steps = step_times()
+    steps[name] = {"seconds": round(seconds, 1), "finished": time.strftime("%Y-%m-%d %H:%M:%S") if finished else None}
+    path = STATE / "steps.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(steps, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", metavar="STEP", help="run just these steps (in pipeline order)")
+    parser.add_argument("--dry-run", action="store_true", help="list the steps and whether each is done")
+    parser.add_argument("--heartbeat", type=float, default=60.0, help="seconds between progress lines")
+    args = parser.parse_args(argv)
+    names = [s.name for s in STEPS]
+    unknown = sorted(set(args.only or ()) - set(names))
+    if unknown:
+        raise SystemExit(f"unknown step(s) {unknown}; steps: {names}")
+    steps = [s for s in STEPS if not args.only or s.name in args.only]
+    (STATE / "logs").mkdir(parents=True, exist_ok=True)
+    if args.dry_run:
+        for i, step in enumerate(steps, 1):
+            state = "done" if (step.run_dir or all((Path(d) / "DONE").is_file() for d in step.inputs)) \
+                and is_done(step) else "to run"
+            print(f"[{i}/{len(steps)}] {step.name:24s} {state:7s} {' '.join(step.command[1:])}")
+        return
+    wall = time.perf_counter()
+    for i, step in enumerate(steps, 1):
+        if is_done(step):
+            print(f"[{i}/{len(steps)}] {step.name}: done, skipped", flush=True)
+            continue
+        seconds = run_step(step, i, len(steps), args.heartbeat)
+        print(f"[{i}/{len(steps)}] {step.name}: finished in {seconds / 60:.1f} min", flush=True)
+    print(f"all steps done ({(time.perf_counter() - wall) / 60:.1f} min this invocation; per-step times in "
+          f"{STATE / 'steps.json'}).\nSummary table: benchmarks/results/summary.md (plot: benchmarks/results/summary.png)")
+
+
+if __name__ == "__main__":
+    main()

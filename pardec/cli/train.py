@@ -1,0 +1,63 @@
+# torchrun --nproc_per_node 8 -m pardec.cli.train experiment=<x> model.path=<local HF checkpoint> data=<dataset> deepspeed=zero3
+"""Train with a recipe (Hydra config tree in ``pardec/recipes/``); one process or many under torchrun.
+
+Examples:
+    python -m pardec.cli.train experiment=default_base                      # the embedded default (CPU)
+    torchrun --nproc_per_node 2 -m pardec.cli.train experiment=default_base deepspeed=zero2
+    python -m pardec.cli.train experiment=default_base --cfg job             # print the composed config
+
+Launch with torchrun, never the ``deepspeed`` launcher (its ``--local_rank`` argument breaks Hydra).
+Only rank 0 writes Hydra's files in the run directory (``output_dir``).
+Exit status: 0 when training finished (or stopped at ``trainer.stop_after_steps``), ``PREEMPTED_EXIT_CODE``
+(75, ``pardec/trainers/preemption.py``) when a signal or a stop file made it checkpoint and stop: run it again
+to resume.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from pardec.common.errors import ConfigError, PardecError
+from pardec.trainers.config import register_schema, validate_train_config
+from pardec.trainers.preemption import PREEMPTED_EXIT_CODE
+
+register_schema()
+
+
+def _quiet_non_main_ranks() -> None:
+    if os.environ.get("RANK", "0") != "0":
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra/hydra_logging=disabled"]
+
+
+@hydra.main(config_path="../recipes", config_name="train", version_base="1.3")
+def train(cfg: DictConfig) -> None:
+    from pardec.trainers.trainer import configure_logging, run_recipe
+
+    configure_logging(os.environ.get("RANK", "0") == "0")
+    try:
+        cfg = validate_train_config(cfg)
+    except ConfigError as err:
+        sys.exit(f"config error: {err}")
+    try:
+        result = run_recipe(cfg)
+    except PardecError as err:  # a refusal (existing run, lock, changed settings) or a bad checkpoint
+        sys.exit(f"error: {err}")
+    if os.environ.get("RANK", "0") == "0":
+        where = f", Hugging Face export: {result.export_dir}" if result.export_dir else ""
+        print(f"training {result.status} at step {result.step} ({result.train_seconds:.0f} s of training steps){where}")
+    if result.status == "preempted":
+        sys.exit(PREEMPTED_EXIT_CODE)
+
+
+def main() -> None:
+    """``pardec-train``: Hydra reads the overrides from the command line."""
+    _quiet_non_main_ranks()
+    train()
+
+
+if __name__ == "__main__":
+    main()

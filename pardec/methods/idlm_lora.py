@@ -1,0 +1,119 @@
+"""I-DLM gated-LoRA recipe for lossless R-ISD: frozen base, LoRA on ``<|mask|>`` inputs only.
+
+Same data, batches and attention mask as :mod:`pardec.methods.idlm` (``[x_t | x_0]``, x_t blocks of
+N - 1 for stride N); the difference is what trains (SPEC §1, "R-ISD with gated LoRA"):
+
+* the base model is frozen, *all* of it, including the new ``<|mask|>`` embedding row. Decision:
+  the row keeps the mean-resizing init of :func:`pardec.models.loading.add_mask_token` and is not trained
+  (no ``trainable_token_indices``). It is the only new base tensor; freezing it keeps the exported
+  base bit-identical to the base the run started from (plus that row), and nothing is lost: the
+  mask row is a constant input, and the gated LoRA of the first layer's projections can map it to
+  whatever the drafts need. (With tied embeddings, a trained row would also move the lm_head row,
+  i.e. the clean stream's logit of ``<|mask|>``.)
+* a gated LoRA (:mod:`pardec.models.gated_lora`, PEFT ``lora.Linear`` with a per-token gate) on
+  ``target_modules`` is the only trainable part. Clean queries never attend to ``<|mask|>``
+  positions, so L_clean has no gradient w.r.t. the LoRA: the recipe trains on L_mask alone, which
+  is exactly the inherited I-DLM loss with a fixed ``alpha`` = 0 (``recipe.alpha`` must stay 0);
+  L_clean (the base's own AR loss on the answers, constant up to the data) is still logged.
+  ``recipe.supervise_last_prompt_slot`` (inherited) changes no gradient here: that x_t slot is a
+  clean input (gate 0), so it only adds a constant to the logged L_mask (same denominator).
+
+Defaults follow the paper's lossless configuration (Table 7: stride N = 3, LoRA r = 128; App. H:
+lr 2e-4 on the same data). ``lora_alpha`` is not given in the paper; alpha = r (scale 1) here.
+
+Export (``pardec/trainers/export.py`` calls ``save_pretrained`` of the trained module): the module the
+trainer sees is :class:`GatedLoraTrainingModule`, whose ``save_pretrained`` writes the layout of
+:func:`pardec.models.gated_lora.save_base_and_adapter`: the frozen base with ``<|mask|>`` as a plain HF
+checkpoint (its ``CheckpointMetadata``: recipe, mask_token_id, isd_stride, gated_lora_adapter) and a plain
+PEFT adapter in ``adapter/``; :func:`pardec.models.gated_lora.load_gated_lora_export` loads both.
+
+References: I-DLM, Introspective Diffusion Language Models, arXiv:2604.11035, §3.2, App. G and H.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List
+
+import torch
+from peft import LoraConfig, PeftModel
+
+from pardec.common.errors import ConfigError
+from pardec.common.metadata import CheckpointMetadata
+from pardec.methods.idlm import IDLMConfig, IDLMMethod
+from pardec.models.gated_lora import save_base_and_adapter, wrap_gated_lora
+
+_PREFIX = "peft_model."
+
+
+@dataclass
+class IDLMLoraConfig(IDLMConfig):
+    name: str = "idlm_lora"
+    stride: int = 3
+    # Weight of L_clean: fixed at 0 (L_clean has no gradient w.r.t. a gated LoRA; it is logged only).
+    alpha: float = 0.0
+    lora_rank: int = 128
+    lora_alpha: float = 128.0
+    lora_dropout: float = 0.0
+    # Linear layers that get the gated LoRA (PEFT target_modules: name suffixes).
+    target_modules: List[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+class GatedLoraTrainingModule(torch.nn.Module):
+    """The module the trainer wraps with DeepSpeed: calls the gated PeftModel; ``config`` is the
+    base model's config (so the method's metadata lands in the exported ``config.json``);
+    ``save_pretrained`` writes base + ``adapter/`` instead of PEFT's adapter-only save."""
+
+    def __init__(self, peft_model: PeftModel):
+        super().__init__()
+        self.peft_model = peft_model
+
+    @property
+    def config(self):
+        return self.peft_model.get_base_model().config
+
+    def forward(self, *args: Any, **kwargs: Any):
+        return self.peft_model(*args, **kwargs)
+
+    def save_pretrained(self, save_directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None,
+                        safe_serialization: bool = True) -> None:
+        """``state_dict``: this module's full state dict (gathered under ZeRO-3), or None for the live one."""
+        if not safe_serialization:
+            raise ValueError("gated LoRA exports are written as safetensors only (safe_serialization=True)")
+        state = None if state_dict is None else {k.removeprefix(_PREFIX): v for k, v in state_dict.items()}
+        save_base_and_adapter(self.peft_model, save_directory, state)
+
+
+class IDLMLoraMethod(IDLMMethod):
+    name = "idlm_lora"
+
+    def __init__(self, cfg, tokenizer):
+        super().__init__(cfg, tokenizer)
+        if cfg.alpha != 0.0:
+            raise ConfigError(
+                f"config key 'recipe.alpha' = {cfg.alpha}; idlm_lora trains the gated LoRA on L_mask only "
+                "(L_clean has no gradient w.r.t. it and is logged): set recipe.alpha=0.0"
+            )
+        if cfg.stages:
+            raise ConfigError(
+                "config key 'recipe.stages' must be empty for idlm_lora: a later stage would start from the "
+                "previous export's base and drop its adapter"
+            )
+
+    def prepare_model(self, model):
+        if CheckpointMetadata.of_model(model).gated_lora_adapter is not None:
+            raise ConfigError(
+                f"model.path={model.name_or_path} is already a gated-LoRA export (base + adapter/); idlm_lora trains "
+                "a new adapter on a plain base: point model.path at the base (e.g. the AR export)"
+            )
+        model = super().prepare_model(model)  # adds <|mask|>; the base is then frozen by PEFT
+        lora = LoraConfig(
+            r=self.cfg.lora_rank,
+            lora_alpha=self.cfg.lora_alpha,
+            lora_dropout=self.cfg.lora_dropout,
+            target_modules=list(self.cfg.target_modules),
+            task_type="CAUSAL_LM",
+        )
+        return GatedLoraTrainingModule(wrap_gated_lora(model, lora, self.mask_token_id))

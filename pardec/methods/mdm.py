@@ -1,0 +1,139 @@
+"""MDM recipe: Dream-style adaptation of an AR base into a masked-diffusion LM (SPEC §4).
+
+Each micro-batch (``micro_batch_size`` samples, packed into rows of ``data.pack_length`` tokens):
+every answer token is masked with probability t ~ U(eps, 1) (one t per sample), the model sees the
+noisy sequence with bidirectional attention inside each sample (or block-causal, SDAR-style, with
+``recipe.attention=block``), and position i predicts token i + 1 (the AR logit shift is kept, so
+the base's head starts out useful). Loss: ``pardec.losses.mdm`` with weights 1/t (``linear``) or CART,
+normalised per batch (default) or per sample; optional EOS padding of answers to a fixed length
+(``pad_answer_to``).
+
+The mask is always passed explicitly (``AttentionSpec`` -> dense float mask on CPU, BlockMask on
+GPU) and the attention modules' ``is_causal`` flags are switched off too, so no path silently stays
+causal. The export records ``attention``, ``attention_block_size``, ``logit_shift`` and the
+``<|mask|>`` id for the decoders (``pardec.inference.decoders.mdm_*``).
+
+Decision (SPEC silent): block-causal training on the single noisy stream noises the answer blocks
+to the left of a block too, while semi-AR decoding sees them clean. ``recipe.clean_context=true``
+trains SDAR / BD3-LM style on ``[x_0 | x_t]`` instead (``pardec.data_pipelines.mdm_batch``): every block
+learns from the clean blocks before it, at the cost of the answer's tokens twice per sample. The
+recipe default keeps the single stream (the SPEC's); ``experiment=mdm_default`` chooses on val.
+
+References: LLaDA arXiv:2502.09992; Dream 7B arXiv:2508.15487 (AR initialisation, logit shift,
+CART); FlashDLM arXiv:2505.21467 (the decoders it serves).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pardec.common.errors import ConfigError, DataError
+from pardec.data_pipelines.mdm_batch import WEIGHTINGS, build_mdm_batch
+from pardec.losses.mdm import NORMALIZATIONS, mdm_loss
+from pardec.masks.mdm import ATTENTIONS, BLOCK
+from pardec.methods.base import Method, forward_logits
+from pardec.methods.recipe_config import RecipeConfig
+from pardec.models.bidirectional import set_is_causal
+from pardec.models.loading import add_mask_token
+
+
+@dataclass
+class MDMConfig(RecipeConfig):
+    name: str = "mdm"
+    # bidirectional (inside each sample) | block (block-causal, blocks of block_size answer tokens)
+    attention: str = "bidirectional"
+    block_size: int = 32
+    # t ~ U(eps, 1)
+    eps: float = 1.0e-3
+    # linear (weight 1/t) | cart (Dream's context-adaptive weight, geometric p = cart_p)
+    weighting: str = "linear"
+    cart_p: float = 0.3
+    # batch (sum / answer tokens of the micro-batch; dllm) | sample (per-sample mean, then / B; LLaDA)
+    normalization: str = "batch"
+    # Pad every answer with EOS to exactly this many tokens (and train on them); null = off.
+    pad_answer_to: int | None = None
+    # Probability that a sample is also masked from a random cut to its end (pardec.data_pipelines.mdm_batch).
+    suffix_mask_prob: float = 0.0
+    # Block attention only: train on [x_0 | x_t] so each block sees clean blocks before it (SDAR).
+    clean_context: bool = False
+
+
+class MDMMethod(Method):
+    name = "mdm"
+    needs_custom_mask = True
+
+    def __init__(self, cfg, tokenizer):
+        super().__init__(cfg, tokenizer)
+        checks = {"attention": (cfg.attention, ATTENTIONS), "weighting": (cfg.weighting, WEIGHTINGS),
+                  "normalization": (cfg.normalization, NORMALIZATIONS)}
+        for key, (value, allowed) in checks.items():
+            if value not in allowed:
+                raise ConfigError(f"config key 'recipe.{key}' = {value!r}; expected one of {allowed}")
+        if cfg.block_size < 1:
+            raise ConfigError(f"config key 'recipe.block_size' must be >= 1, got {cfg.block_size}")
+        if not 0 < cfg.eps < 1:
+            raise ConfigError(f"config key 'recipe.eps' must be in (0, 1), got {cfg.eps}")
+        if not 0 < cfg.cart_p <= 1:
+            raise ConfigError(f"config key 'recipe.cart_p' must be in (0, 1], got {cfg.cart_p}")
+        if not 0 <= cfg.suffix_mask_prob <= 1:
+            raise ConfigError(f"config key 'recipe.suffix_mask_prob' must be in [0, 1], got {cfg.suffix_mask_prob}")
+        if cfg.clean_context and cfg.attention != BLOCK:
+            raise ConfigError(f"config key 'recipe.clean_context' = true needs recipe.attention={BLOCK}, "
+                              f"got {cfg.attention!r}")
+        if cfg.pad_answer_to is not None and cfg.pad_answer_to < 1:
+            raise ConfigError(f"config key 'recipe.pad_answer_to' must be >= 1 or null, got {cfg.pad_answer_to}")
+        self.mask_token_id: int | None = None
+        self.pack_length: int | None = None
+
+    def prepare_model(self, model):
+        self.mask_token_id = add_mask_token(model, self.tokenizer)
+        set_is_causal(model, False)
+        return model
+
+    def build_train_dataset(self, tokenized, data_cfg, model=None):
+        self.pack_length = data_cfg.pack_length or data_cfg.max_length
+        prompts, lengths = tokenized["prompt_len"], tokenized["length"]
+        if self.cfg.pad_answer_to is not None:
+            lengths = [p + self.cfg.pad_answer_to for p in prompts]
+        if self.cfg.clean_context:  # [x_0 | x_t]: the answer twice
+            lengths = [2 * n - p for n, p in zip(lengths, prompts)]
+        longest = max(lengths)
+        if longest > self.pack_length:
+            raise DataError(
+                f"an MDM sample of {longest} tokens (after answer padding"
+                f"{', both streams of recipe.clean_context' if self.cfg.clean_context else ''}) > "
+                f"data.pack_length={self.pack_length}; raise data.pack_length"
+            )
+        return tokenized
+
+    def collate(self, examples):
+        return build_mdm_batch(
+            examples,
+            mask_token_id=self.mask_token_id,
+            pack_length=self.pack_length,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self.tokenizer.eos_token_id,
+            attention=self.cfg.attention,
+            block_size=self.cfg.block_size,
+            eps=self.cfg.eps,
+            weighting=self.cfg.weighting,
+            cart_p=self.cfg.cart_p,
+            pad_answer_to=self.cfg.pad_answer_to,
+            suffix_mask_prob=self.cfg.suffix_mask_prob,
+            clean_context=self.cfg.clean_context,
+        )
+
+    def loss(self, model, batch):
+        logits = forward_logits(model, batch)  # [r, s, V]
+        loss, logs = mdm_loss(logits, batch["labels"], batch["weights"], batch["sample_ids"], batch["n_answer"],
+                              self.cfg.normalization)
+        return loss, {"loss": loss.item(), **logs}
+
+    def export_metadata(self):
+        return {
+            "recipe": self.name,
+            "mask_token_id": self.mask_token_id,
+            "attention": self.cfg.attention,
+            "attention_block_size": self.cfg.block_size if self.cfg.attention == BLOCK else None,
+            "logit_shift": True,
+        }
