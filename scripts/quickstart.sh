@@ -7,6 +7,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/setup.sh
-py=.venv/bin/python
-$py -m pardec.cli.train experiment=default_base "$@"
-$py -m pardec.cli.validate checkpoint=runs/default_base/hf decoder=ar_greedy data=synthetic_gsm
+.venv/bin/pardec-train experiment=default_base "$@"
+.venv/bin/pardec-validate checkpoint=runs/default_base/hf decoder=ar_greedy data=synthetic_gsm
