@@ -97,3 +97,47 @@ def synthetic_tokenizer():
     from pardec.data_pipelines.synthetic_tokenizer import build_synthetic_tokenizer
 
     return build_synthetic_tokenizer(SyntheticGSMConfig())
+
+
+CHAT_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML with a default system turn, as SmolLM2-Instruct's template; the turn ends with <|im_end|>,
+# which is not the tokenizer's EOS (<|endoftext|>), as with Llama 3's <|eot_id|>.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def chat_bpe_tokenizer(vocab_size: int = 400) -> PreTrainedTokenizerFast:
+    """A small byte-level BPE tokenizer trained here on generated word problems, with a ChatML chat
+    template, EOS ``<|endoftext|>``, no pad, no unk and no ``<|mask|>``: what a real chat model's
+    tokenizer looks like to pardec (SmolLM2, Qwen), in a second."""
+    from tokenizers import decoders, trainers
+    from tokenizers.models import BPE
+
+    from pardec.data_pipelines.synthetic_gsm import SyntheticGSMConfig, generate_split
+
+    rows = generate_split(SyntheticGSMConfig(num_train=300, num_test=20, num_val=20), "train")
+    backend = Tokenizer(BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHAT_SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator([r["prompt"] + r["response"] for r in rows] + ["system user assistant helpful"], trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", bos_token="<|im_start|>")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+def save_chat_checkpoint(path: Path, seed: int = 0, tie: bool = True) -> Path:
+    """A tiny random Llama with tied embeddings and :func:`chat_bpe_tokenizer`, saved as a local
+    Hugging Face checkpoint (``model=hf model.path=...``)."""
+    tok = chat_bpe_tokenizer()
+    model = tiny_model(len(tok), "llama", seed, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                       pad_token_id=None, tie_word_embeddings=tie)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -109,7 +109,7 @@ def test_a_lossless_claim_below_full_identity_is_not_marked(tmp_path):
 def test_a_missing_results_file_names_it_and_its_command(tmp_path):
     results, _ = write_results(tmp_path)
     (results / "cover.json").unlink()
-    with pytest.raises(SystemExit, match=r"cover\.json does not exist: run `python -m benchmarks\.cover"):
+    with pytest.raises(SystemExit, match=r"cover\.json does not exist: run `python -m pardec\.benchmarks\.cover"):
         summary.load_sources(results)
 
 

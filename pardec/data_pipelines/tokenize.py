@@ -38,6 +38,40 @@ from pardec.common.errors import ConfigError, DataError
 log = logging.getLogger(__name__)
 
 
+def end_of_turn_token_id(tokenizer) -> int | None:
+    """The special token the chat template closes an assistant turn with (``<|im_end|>`` for
+    ChatML, ``<|eot_id|>`` for Llama 3, ``<end_of_turn>`` for Gemma), read off the template itself:
+    a one-turn conversation with a marker answer is rendered and the first special token after the
+    marker is the end of turn. None without a chat template or when the turn ends with no special
+    token. Chat models stop there, which is not always their EOS (Llama 3's is ``<|end_of_text|>``)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    marker = "pardec end-of-turn probe"
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}], tokenize=False
+    )
+    after = rendered[rendered.rfind(marker) + len(marker):]
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"]
+    special = set(tokenizer.all_special_ids) | {
+        i for i, tok in tokenizer.added_tokens_decoder.items() if getattr(tok, "special", False)
+    }
+    return next((i for i in ids if i in special), None)
+
+
+def stop_token_ids(tokenizer, generation_config=None) -> set[int]:
+    """Where an answer ends: the tokenizer's EOS, the chat template's end-of-turn token
+    (:func:`end_of_turn_token_id`) and the EOS ids of the model's generation config, when present.
+    Every decoder and the Jacobi trajectory collection stop at any of them."""
+    ids = set()
+    for value in (tokenizer.eos_token_id, end_of_turn_token_id(tokenizer),
+                  getattr(generation_config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
 def format_prompt_ids(tokenizer, prompt: str, template: str) -> list[int]:
     """Prompt token ids exactly as training saw them (validation reuses this)."""
     if template == "plain":

@@ -31,7 +31,7 @@ from pardec.common.distributed import DistInfo, current
 from pardec.common.errors import DataError
 from pardec.common.kv_cache import cached_step_attention
 from pardec.common.metadata import CheckpointMetadata
-from pardec.data_pipelines.tokenize import format_prompt_ids
+from pardec.data_pipelines.tokenize import format_prompt_ids, stop_token_ids
 from pardec.inference.checkpoint import forbid_output_token
 from pardec.inference.decoders.ar import ARDecoder, ARDecoderConfig
 from pardec.inference.decoders.base import Decoder, DecoderConfig
@@ -173,11 +173,6 @@ def encode_prompt(tokenizer, prompt: str, template: str, add_bos: bool, index: i
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:
-    """EOS ids: the tokenizer's plus the model's generation config's (chat models end turns there)."""
-    ids = set()
-    for value in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return ids
+    """Where decoding stops: :func:`pardec.data_pipelines.tokenize.stop_token_ids` of the tokenizer
+    and the model's generation config (EOS and the chat template's end of turn)."""
+    return stop_token_ids(tokenizer, getattr(model, "generation_config", None))

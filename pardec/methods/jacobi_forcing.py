@@ -46,6 +46,7 @@ from pardec.common.errors import ConfigError, DataError
 from pardec.data_pipelines.jacobi_batch import LAYOUTS, MASKS, build_jacobi_batch, sample_length
 from pardec.data_pipelines.jacobi_noise import SCHEDULES, WINDOW_PHASES, select_noisy_blocks
 from pardec.data_pipelines.jacobi_trajectories import CollectSettings, collect_trajectories, load_trajectories, read_meta
+from pardec.data_pipelines.tokenize import stop_token_ids
 from pardec.losses.jacobi import jacobi_forcing_loss
 from pardec.methods.base import Method, forward_logits
 from pardec.methods.recipe_config import RecipeConfig
@@ -141,7 +142,7 @@ class JacobiForcingMethod(Method):
         return CollectSettings(
             block_size=self.cfg.block_size,
             max_new_tokens=self.cfg.max_new_tokens,
-            eos_token_ids=(self.tokenizer.eos_token_id,),
+            eos_token_ids=tuple(sorted(stop_token_ids(self.tokenizer))),  # EOS and the chat end of turn
             pad_token_id=self.tokenizer.pad_token_id,
             seed=self.cfg.seed,
             shard_size=self.cfg.shard_size,

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from pardec.common.constants import MASK_TOKEN, METADATA_KEY
+from pardec.common.config_fields import Choice
 from pardec.common.errors import CheckpointError, ConfigError
 from pardec.common.metadata import CheckpointMetadata
 from pardec.masks.core import COMPILED_FLEX_BACKEND, FLEX_BACKENDS
@@ -43,7 +44,16 @@ WEIGHT_FILES = (
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tekken.json")
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+class DType(Choice):
+    """``model.dtype`` / validation's ``dtype``: auto = bfloat16 on GPU, float32 on CPU."""
+
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+DTYPES = {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16, DType.float16: torch.float16}
 
 
 def resolve_dtype(name: str, on_gpu: bool, key: str = "model.dtype") -> torch.dtype:
@@ -111,6 +121,12 @@ def _has_flash_attn() -> bool:
 
 
 def load_tokenizer(model_cfg, data_cfg) -> PreTrainedTokenizerBase:
+    """The run's tokenizer (``model.tokenizer``, else ``model.path``, or ``synthetic``).
+
+    Padding: a tokenizer's own pad token is kept; one without gets its EOS as pad, said in the log.
+    Either is safe, also when pad and EOS are one id (SmolLM2's ``<|im_end|>``): every batch builder
+    marks padding by position (segment id -1, ignored labels), never by token id, so EOS targets
+    are trained and a pad never reaches a loss."""
     source = model_cfg.tokenizer or model_cfg.path
     if source == "synthetic":
         from pardec.data_pipelines.synthetic_tokenizer import build_synthetic_tokenizer
@@ -126,6 +142,8 @@ def load_tokenizer(model_cfg, data_cfg) -> PreTrainedTokenizerBase:
         if tokenizer.eos_token is None:
             raise ConfigError(f"tokenizer at {source} has neither a pad nor an eos token")
         tokenizer.pad_token = tokenizer.eos_token
+        log.info("tokenizer at %s has no pad token: padding with its EOS %r (padding is masked by position)",
+                 source, tokenizer.eos_token)
     return tokenizer
 
 
@@ -240,7 +258,14 @@ def check_tokenizer_matches(model, tokenizer, where: str) -> None:
 
 def add_mask_token(model, tokenizer) -> int:
     """Add ``<|mask|>`` (resizing embeddings only if the id falls outside them) and record its id
-    in the model's :class:`CheckpointMetadata` so decoders never guess it. Returns the id."""
+    in the model's :class:`CheckpointMetadata` so decoders never guess it. Returns the id.
+
+    The new row is transformers' mean resizing: drawn from a normal with the mean and covariance
+    of the existing embedding rows, so the mask token starts as a typical input embedding rather
+    than a zero or an outlier that would dominate the first steps. ``resize_token_embeddings``
+    re-ties a tied output head (Llama/SmolLM2/Qwen3 small models), so the output row is the same
+    tensor; the mask token is never a training target, and its logit starts in the range of the
+    other tokens' (tested in ``tests/test_real_tokenizer.py``)."""
     if MASK_TOKEN not in tokenizer.get_vocab():
         tokenizer.add_special_tokens({"additional_special_tokens": [MASK_TOKEN]})
     mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
