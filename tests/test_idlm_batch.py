@@ -109,7 +109,8 @@ def test_label_convention_on_one_sample(supervise):
     assert batch["input_ids"].tolist() == [[10, 11, m, m, m, 10, 11, 12, 13, 14, PAD_ID, PAD_ID]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 0]]
     # The last prompt position (clean in x_t) predicts the first answer token in x_0, and in x_t
-    # only when supervise_last_prompt_slot (default: L_mask on the <|mask|> slots only, SPEC §1).
+    # only when supervise_last_prompt_slot (default: L_mask on the <|mask|> slots only,
+    # docs/methods/idlm.md#loss).
     anchor = 12 if supervise else i
     assert batch["labels_mask_stream"].tolist() == [[i, anchor, 13, 14, i, i, i, i, i, i, i, i]]
     assert batch["labels_clean_stream"].tolist() == [[i, i, i, i, i, i, 12, 13, 14, i, i, i]]
@@ -130,7 +131,7 @@ def test_default_supervises_mask_slots_only():
     (["recipe=idlm_lora"], False),
     (["recipe=idlm", "recipe.supervise_last_prompt_slot=true"], True),
     (["recipe=idlm_lora", "recipe.supervise_last_prompt_slot=true"], True),
-    # the experiments use the SPEC default
+    # the experiments use the default of docs/methods/idlm.md#loss
     (["experiment=idlm_default"], False),
     (["experiment=idlm_lora_default"], False),
 ])

@@ -12,7 +12,7 @@ from pardec.losses.idlm import idlm_loss
 from pardec.methods.base import forward_logits
 from tests.test_idlm_batch import MASK_ID, random_samples, tiny_model
 
-SPEC, BLOCK, PACK = [(7, 3), (5, 1), (4, 4), (9, 4), (6, 0)], 3, 32
+SHAPES, BLOCK, PACK = [(7, 3), (5, 1), (4, 4), (9, 4), (6, 0)], 3, 32
 
 
 def naive_losses(model, samples, block, supervise_last_prompt_slot=False):
@@ -21,7 +21,7 @@ def naive_losses(model, samples, block, supervise_last_prompt_slot=False):
     x_t query i sees the clean tokens before its block, then its block's x_t tokens up to i; x_0
     query i sees x_0[: i + 1]. Targets: x_0[i + 1] when it is an answer token; in x_t only at
     <|mask|> inputs (i >= P), plus i = P - 1 when ``supervise_last_prompt_slot``. Both losses are
-    divided by ``count``, the number of answer targets (SPEC §1), in both settings.
+    divided by ``count``, the number of answer targets (docs/methods/idlm.md#loss), in both settings.
     """
     mask_sum = clean_sum = 0.0
     count = 0
@@ -45,7 +45,7 @@ def naive_losses(model, samples, block, supervise_last_prompt_slot=False):
 @pytest.fixture(scope="module", params=[False, True], ids=["anchor_off", "anchor_on"])
 def setup(request):
     model = tiny_model("qwen3", "sdpa", seed=1)
-    samples = random_samples(SPEC, seed=11)
+    samples = random_samples(SHAPES, seed=11)
     batch = build_idlm_batch(samples, mask_token_id=MASK_ID, block_size=BLOCK, pack_length=PACK,
                              supervise_last_prompt_slot=request.param)
     return model, samples, batch, naive_losses(model, samples, BLOCK, request.param)
@@ -71,7 +71,7 @@ def test_anchor_terms_are_the_only_difference():
     """L_mask(on) - L_mask(off) = the anchors' CE / the answer count, and each anchor's CE is the
     clean stream's CE of the first answer token (the anchor's logits are the causal ones)."""
     model = tiny_model("qwen3", "sdpa", seed=1)
-    samples = random_samples(SPEC, seed=11)
+    samples = random_samples(SHAPES, seed=11)
     logs, batches = {}, {}
     for supervise in (False, True):
         batches[supervise] = build_idlm_batch(samples, mask_token_id=MASK_ID, block_size=BLOCK, pack_length=PACK,

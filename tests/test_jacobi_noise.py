@@ -89,7 +89,7 @@ def test_select_noisy_blocks_follows_the_progressive_schedule():
 
 
 def test_random_window_phase_shifts_each_sample_window_and_covers_every_level():
-    # Phase zero is the SPEC's schedule.
+    # Phase zero is the paper's schedule (docs/methods/jacobi_forcing.md#noise-schedule).
     assert noise_ratios(5, 3, "progressive", (0, 1), "zero") == noise_ratios(5, 3, "progressive")
     phases = set()
     for index in range(60):

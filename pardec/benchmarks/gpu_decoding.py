@@ -216,7 +216,8 @@ def profile_decoder(model, tok, rows, decoder: dict) -> dict:
 
     Set against ``ms / forward`` (wall), they say whether a decoder's step is bound by the GPU,
     by kernel launches (kernels per forward) or by host work between them. The counts include
-    each sample's prefill, which ``forwards`` excludes (SPEC §0), so they are slight over-counts.
+    each sample's prefill, which ``forwards`` excludes (docs/methods/conventions.md#counting), so they are
+    slight over-counts.
     """
     from torch.profiler import ProfilerActivity, profile
 

@@ -7,7 +7,8 @@ this run. Columns:
 
 * accuracy: exact final answer (``#### n``);
 * = base: fraction of samples whose tokens equal the base model's AR greedy output exactly;
-* TPF = committed tokens / decoding forwards (SPEC §0), TPS and its ratio to base AR greedy;
+* TPF = committed tokens / decoding forwards (docs/methods/conventions.md#counting), TPS and its ratio to base
+  AR greedy;
 * alpha: introspective acceptance rate of the row's model at the row's stride, over the tokens it
   generated (arXiv:2604.11035 §2);
 * TPF formula: the paper's (2 + P_1 + ... + P_{N-2}) / (2 - P_{N-1}) on the measured acceptance.

@@ -13,13 +13,15 @@ reference of that model's parallel rows. Columns:
 * = own AR greedy: fraction of samples whose tokens equal the SAME model's AR greedy output
   exactly (Jacobi and multi-block decoding are lossless: 100% up to numerical near-ties);
 * = base AR greedy: the same against the base's AR greedy output (how far training moved the model);
-* TPF = committed tokens / decoding forwards (SPEC §0), TPS and its ratio to base AR greedy.
+* TPF = committed tokens / decoding forwards (docs/methods/conventions.md#counting), TPS and its ratio to base
+  AR greedy.
 
 Jacobi rows use the block size a checkpoint was trained at (the checkpoint metadata's ``jacobi_block_size``),
 the base the round-2 block size (``--base-block-size``); drafts start from tokens drawn from the
 prompt and the committed tokens (``draft_init=context``, the training noise). The multi-block rows
 run the round-2 model with K blocks in flight, spawn ratio r, an n-gram pool and a verification
-size (the paper's K=2, r=0.85 and verification size 4 by default; SPEC §2). The block size is a
+size (the paper's K=2, r=0.85 and verification size 4 by default;
+docs/methods/jacobi_forcing.md#multi-block-decoding). The block size is a
 decoding choice: round 2 is also decoded (Jacobi and multi-block) at ``--wide-block-size`` (twice
 its trained block by default), as the paper does: trained at n = 32, it decodes Jacobi at n = 128
 and MR at n = 64 (§4.1, §4.3).
@@ -36,7 +38,8 @@ forward + L = L_pc + 30 L_AR + backward with the base in train mode:
   (2N forwards per sample of N blocks), the same loss computed from their logits.
 
 The two losses must agree (checked, reported); ratio = naive time / packed time (median of
-``--train-repeats`` after one warm-up each). SPEC goal: ratio >= half the number of blocks.
+``--train-repeats`` after one warm-up each). Goal: ratio >= half the number of blocks
+(docs/methods/jacobi_forcing.md#packing).
 
 Writes ``benchmarks/results/jacobi_forcing.{md,json}``.
 """

@@ -3,9 +3,9 @@
 
 One packed training step (forward + backward, bf16, batch 1 row) of a randomly initialised model of
 Qwen2.5-0.5B shape on an I-DLM ``[x_t | x_0]`` row (stride 4, samples of 2 x 256 tokens) and a Jacobi
-Forcing noise-conditioned row (n = 32; ``jacobi``: the SPEC's interleaved layout, ``jacobi_streams``:
-the same attention with each stream contiguous, ``recipe.layout=streams``), at several total tokens
-per row. Columns, all on the same model and the same tokens:
+Forcing noise-conditioned row (n = 32; ``jacobi``: the interleaved layout of docs/methods/jacobi_forcing.md#packing,
+``jacobi_streams``: the same attention with each stream contiguous, ``recipe.layout=streams``), at
+several total tokens per row. Columns, all on the same model and the same tokens:
 
 * ``causal``: SDPA with no mask and plain positions (``is_causal``, the flash kernel): the floor a
   structured mask is measured against, no structure at all;

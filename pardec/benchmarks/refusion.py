@@ -19,7 +19,8 @@ One run, two phases, every row at batch 1 in this process after an untimed warm-
 
 Columns: accuracy (exact ``#### n``); = base AR greedy (share of samples whose output tokens equal the
 base's AR greedy output exactly); TPF = committed tokens / decoding forwards and NFE per sample
-(SPEC §0: prefill excluded, nothing after EOS); TPS and TPS / base AR; slots / step = slots
+(docs/methods/conventions.md#counting: prefill excluded, nothing after EOS); TPS and TPS / base AR; slots / step
+= slots
 accepted per plan-and-infill iteration. Slot size k: the checkpoint's ``pardec.slot_size`` unless
 ``--slot-size``. With b = k every step completes one slot. Its first token comes from the plan (the
 mask head) with ``first_token=mask``, so that is not lossless with respect to the checkpoint's own AR

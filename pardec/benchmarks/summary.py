@@ -9,7 +9,7 @@ Columns:
 - accuracy: exact ``#### n`` on the benchmark's held-out test problems (200 by default);
 - = base AR: share of samples whose output tokens equal the base's AR greedy output, as measured by
   the benchmark ("—" where it did not decode the base, e.g. COVER);
-- TPF: tokens per forward as the benchmark defines it (SPEC §0);
+- TPF: tokens per forward as the benchmark defines it (docs/methods/conventions.md#counting);
 - TPS / base AR: TPS over the base's AR greedy measured in the same benchmark run ("—" where that
   run has no base AR row); ratios from different benchmarks come from different runs;
 - lossless: the decoder guarantees the output of an AR greedy decode (of the base, or of its own

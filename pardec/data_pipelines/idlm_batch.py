@@ -1,4 +1,5 @@
-"""Packed I-DLM training batches: ``[x_t | x_0]`` per sample, greedy packing, shifted labels (SPEC §1).
+"""Packed I-DLM training batches: ``[x_t | x_0]`` per sample, greedy packing, shifted labels
+(docs/methods/idlm.md#training-input).
 
 Per sample of length L (prompt + answer + eos) with ``prompt_len`` = P prompt tokens:
 
@@ -25,8 +26,8 @@ when P >= 1; with P = 0, plain text, the first token cannot be predicted). Their
 Decision on the x_t stream (``supervise_last_prompt_slot``, recipe key
 ``recipe.supervise_last_prompt_slot``):
 
-* ``False`` (default, SPEC §1 and the official code): L_mask's targets are the ``<|mask|>`` x_t
-  slots only, i = P .. L - 2 when P >= 1. The x_t slot at P - 1 (the last prompt token) is a clean
+* ``False`` (default, docs/methods/idlm.md#loss, as in the official code): L_mask's targets are the
+  ``<|mask|>`` x_t slots only, i = P .. L - 2 when P >= 1. The x_t slot at P - 1 (the last prompt token) is a clean
   input, and its x_t query sees exactly the clean prompt (the x_0 blocks before its block plus the
   clean x_t prompt tokens of its own block), so its logits equal the causal ones of x_0 at P - 1:
   supervising it would only repeat, inside L_mask, the L_clean term of the first answer token. The
@@ -40,8 +41,8 @@ Decision on the x_t stream (``supervise_last_prompt_slot``, recipe key
   carries no LoRA gradient.
 
 Either way the ``<|mask|>`` slots are supervised identically and L_mask is divided by
-``n_answer_tokens`` (SPEC: "divided by the number of answer tokens"), so the option only adds or
-removes the anchor terms from L_mask's sum.
+``n_answer_tokens`` (docs/methods/idlm.md#loss), so the option only adds or removes the anchor terms
+from L_mask's sum.
 
 Rows are packed greedily in input order up to ``pack_length`` slots and padded to exactly
 ``pack_length`` (static shapes); padding has segment ``-1``, position 0, ``pad_token_id`` and no
@@ -74,7 +75,7 @@ def build_idlm_batch(
     ``samples``: each with ``input_ids`` (prompt + answer + eos; list or 1-D tensor) and
     ``prompt_len`` (int, 0 <= prompt_len <= len(input_ids)). ``supervise_last_prompt_slot``: also
     make the (clean) x_t slot of the last prompt token an L_mask target (module docstring; off by
-    default, as in SPEC §1).
+    default, docs/methods/idlm.md#loss).
 
     Returns, with r rows and s = ``pack_length``:
 

@@ -1,4 +1,5 @@
-"""Packed Jacobi Forcing training batches: ``[prompt][k_0][c_0][k_1][c_1]...`` (SPEC §2, paper App. C).
+"""Packed Jacobi Forcing training batches: ``[prompt][k_0][c_0][k_1][c_1]...``
+(docs/methods/jacobi_forcing.md#packing, paper App. C).
 
 Per sample with prompt length P, block size n and N blocks: k_j is block j's chosen noisy state
 (``pardec.data_pipelines.jacobi_noise``), c_j its fixed point; the sample takes P + 2Nn slots and k_j, c_j
@@ -8,7 +9,8 @@ samples are packed greedily per row (segment ids) and rows are padded to ``pack_
 
 One forward with the NC (or NC-IC) mask of ``pardec.masks.jacobi`` gives every logit both losses need.
 
-**Layout.** ``layout="interleaved"`` (default) is SPEC §2's ``[prompt][k_0][c_0][k_1][c_1]...``.
+**Layout.** ``layout="interleaved"`` (default) is ``[prompt][k_0][c_0][k_1][c_1]...``
+(docs/methods/jacobi_forcing.md#packing).
 ``layout="streams"`` lays each stream out contiguously, ``[prompt][k_0 ... k_{N-1}][c_0 ... c_{N-1}]``.
 The masks read only per-token metadata (stream, block, position), so both layouts give the same
 attention, the same logits per (stream, block, offset) and the same losses (tested). They differ
@@ -79,7 +81,7 @@ def build_jacobi_batch(
     ``samples``: each with ``prompt_ids`` (P >= 1 ids), ``noisy_blocks`` and ``clean_blocks``
     (N lists of ``block_size`` ids) and ``valid_lens`` (N ints in 1..n; only the last may be < n).
     ``mask``: ``nc`` or ``nc_ic``; ``window``: the noise window w (NC-IC's window of blocks);
-    ``layout``: ``interleaved`` (SPEC) or ``streams`` (module docstring).
+    ``layout``: ``interleaved`` (docs/methods/jacobi_forcing.md#packing) or ``streams`` (module docstring).
 
     Returns, with r rows and s = ``pack_length``:
 

@@ -1,4 +1,5 @@
-"""Noise schedules and noisy-state selection for Jacobi Forcing (SPEC §2, paper Eq. 7 and App. C).
+"""Noise schedules and noisy-state selection for Jacobi Forcing
+(docs/methods/jacobi_forcing.md#noise-schedule, paper Eq. 7 and App. C).
 
 A noise ratio is kept as an exact fraction k / w (k in 0..w), so ``ceil(t * n)`` is integer
 arithmetic and never off by one through floating point.
@@ -12,7 +13,7 @@ Schedules over the blocks i = 0, 1, ... of one sample, window size w, W = {0, 1/
 * ``random`` (ablation): t_i drawn uniformly from W, independently per block, from a generator
   seeded by (seed, sample index), so a sample's choice does not depend on sharding or order.
 
-Window phase (the two window schedules). ``zero`` (SPEC, paper Eq. 7): the windows start at the
+Window phase (the two window schedules). ``zero`` (default, paper Eq. 7): the windows start at the
 sample's first block, so block 0 is always clean. In the paper a window spans w * n = 256 tokens
 and answers run to many windows, so where a block sits inside its window is unrelated to where it
 sits in the answer. On short answers (a few blocks) phase zero ties the two:

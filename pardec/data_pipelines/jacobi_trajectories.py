@@ -1,4 +1,5 @@
-"""Greedy Jacobi trajectory collection with a KV cache, sharded and resumable (SPEC §2, paper §2.1).
+"""Greedy Jacobi trajectory collection with a KV cache, sharded and resumable
+(docs/methods/jacobi_forcing.md#trajectory-collection, paper §2.1).
 
 Per prompt (batch 1, ``torch.no_grad``, the model in eval mode):
 

@@ -1,4 +1,4 @@
-"""ISD acceptance metrics: the paper's TPF formula on measured acceptance (SPEC §1).
+"""ISD acceptance metrics: the paper's TPF formula on measured acceptance (docs/methods/idlm.md#tpf-formula).
 
 References: I-DLM, Introspective Diffusion Language Models, arXiv:2604.11035 (Appendix B.1).
 
@@ -18,7 +18,8 @@ in expectation, and ends the chain with probability ``1 - P_{N-1}``. Hence
 It is exact when the number of propose steps equals the number of rejections. A finite sample
 differs by its ends: the bootstrap is an extra propose step, and EOS / ``max_new_tokens``
 truncate the last step (tokens verified but not committed), so ``isd_tpf_measured`` (Σ committed
-/ Σ forwards, SPEC §0) sits slightly below ``isd_tpf_predicted`` on short generations.
+/ Σ forwards, docs/methods/conventions.md#counting) sits slightly below ``isd_tpf_predicted`` on short
+generations.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Validation metrics from per-sample records (SPEC §0 definitions).
+"""Validation metrics from per-sample records (definitions: docs/methods/conventions.md#counting).
 
 A record is a dict with at least ``committed``, ``forwards``, ``wall_time_s``, ``rank``,
 ``hit_eos``, ``output_ids``, ``correct`` (bool, or None when the sample has no gold answer) and

@@ -1,14 +1,15 @@
-"""I-DLM introspective-consistency loss: L = L_mask + s * L_clean (SPEC §1).
+"""I-DLM introspective-consistency loss: L = L_mask + s * L_clean (docs/methods/idlm.md#loss).
 
 References: Introspective Diffusion Language Models (I-DLM), arXiv:2604.11035, §3.1 Eq. (1)-(2).
 
 Labels come from ``pardec.data_pipelines.idlm_batch`` (logit shift already applied, ``-100`` = ignored):
 
 * L_mask: CE summed over the supervised x_t slots (the decode pathway, q), divided by the number
-  of answer tokens (SPEC §1), i.e. the number of x_0 slots with an answer target. Decision: this
+  of answer tokens (docs/methods/idlm.md#loss), i.e. the number of x_0 slots with an answer target.
+  Decision: this
   denominator is the same whether or not the batch builder supervises the last prompt token's x_t
   slot (``supervise_last_prompt_slot``): with it, the x_t targets are exactly the answer tokens
-  and L_mask is their token mean; without it (the default, SPEC/official code), the x_t stream has
+  and L_mask is their token mean; without it (the default, as in the official code), the x_t stream has
   one target fewer per sample (the clean anchor at P - 1) and L_mask is that sum over the answer
   count, so both settings weight each ``<|mask|>`` target identically and differ only by the anchor
   terms;

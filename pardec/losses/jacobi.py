@@ -1,4 +1,4 @@
-"""Jacobi Forcing loss: L = L_pc + w * L_AR (SPEC §2, paper Eq. 8-9).
+"""Jacobi Forcing loss: L = L_pc + w * L_AR (docs/methods/jacobi_forcing.md#loss, paper Eq. 8-9).
 
 References: Fast and Accurate Causal Parallel Decoding using Jacobi Forcing, arXiv:2512.14681,
 §3.1 Eq. (8)-(9), App. C.

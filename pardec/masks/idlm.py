@@ -1,4 +1,5 @@
-"""I-DLM training mask over packed ``[x_t | x_0]`` samples (SPEC §1, official ``use_regular_causal=True``).
+"""I-DLM training mask over packed ``[x_t | x_0]`` samples (docs/methods/idlm.md#mask; the official
+code's ``use_regular_causal=True``).
 
 Every token carries four ``[b, s]`` metadata tensors (built by ``pardec.data_pipelines.idlm_batch``):
 

@@ -1,4 +1,5 @@
-"""Jacobi Forcing training masks over packed ``[prompt][k_0][c_0][k_1][c_1]...`` samples (SPEC §2).
+"""Jacobi Forcing training masks over packed ``[prompt][k_0][c_0][k_1][c_1]...`` samples
+(docs/methods/jacobi_forcing.md#masks).
 
 k_j is block j's noisy state (a point of its Jacobi trajectory), c_j its fixed point (clean); both
 copies take positions ``P + j*n + o`` (P = prompt length, n = block size, o = offset in the block).

@@ -1,13 +1,13 @@
 """I-DLM recipe: all-masked ``[x_t | x_0]`` causal training with logit shift and a balanced loss.
 
-The stride-N ISD decoder is trained with x_t blocks of size b = N - 1 (SPEC §1): ``recipe.stride``
-sets N and the block size is derived. The stride curriculum N=2 -> 3 (fixed alpha = 0.2) -> 4
+The stride-N ISD decoder is trained with x_t blocks of size b = N - 1 (docs/methods/idlm.md#training-input):
+``recipe.stride`` sets N and the block size is derived. The stride curriculum N=2 -> 3 (fixed alpha = 0.2) -> 4
 (auto-balanced) is the stage list of ``pardec/recipes/recipe/idlm.yaml``; each stage starts from the
 previous stage's export.
 
 L_mask supervises the ``<|mask|>`` x_t slots; ``recipe.supervise_last_prompt_slot=true`` also
-supervises the last prompt token's (clean) x_t slot (off by default, SPEC §1; the decision is
-written in :mod:`pardec.data_pipelines.idlm_batch`).
+supervises the last prompt token's (clean) x_t slot (off by default, docs/methods/idlm.md#loss; the
+decision is written in :mod:`pardec.data_pipelines.idlm_batch`).
 
 ``micro_batch_size`` counts *samples* here: each micro-batch's samples are packed at collate time
 into rows of ``data.pack_length`` slots, each sample taking 2L slots.
@@ -36,7 +36,8 @@ class IDLMConfig(RecipeConfig):
     # Fixed weight alpha of L_clean, or null for auto-balance s = L_mask / L_clean (detached).
     alpha: Optional[float] = None
     # Also make the last prompt token's x_t slot (clean, equal to the causal anchor) an L_mask target.
-    # Off = SPEC §1 / the official code (L_mask on <|mask|> slots only); see pardec.data_pipelines.idlm_batch.
+    # Off = docs/methods/idlm.md#loss and the official code (L_mask on <|mask|> slots only); see
+    # pardec.data_pipelines.idlm_batch.
     supervise_last_prompt_slot: bool = False
 
 

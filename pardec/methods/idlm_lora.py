@@ -1,7 +1,7 @@
 """I-DLM gated-LoRA recipe for lossless R-ISD: frozen base, LoRA on ``<|mask|>`` inputs only.
 
 Same data, batches and attention mask as :mod:`pardec.methods.idlm` (``[x_t | x_0]``, x_t blocks of
-N - 1 for stride N); the difference is what trains (SPEC §1, "R-ISD with gated LoRA"):
+N - 1 for stride N); the difference is what trains (docs/methods/idlm.md#r-isd-with-gated-lora):
 
 * the base model is frozen, *all* of it, including the new ``<|mask|>`` embedding row. Decision:
   the row keeps the mean-resizing init of :func:`pardec.models.loading.add_mask_token` and is not trained

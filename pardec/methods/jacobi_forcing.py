@@ -1,6 +1,6 @@
 """Jacobi Forcing recipe: progressive consistency distillation on the model's own Jacobi trajectories.
 
-Per stage (SPEC §2):
+Per stage (docs/methods/jacobi_forcing.md):
 
 1. ``build_train_dataset`` collects greedy Jacobi trajectories of the training prompts with the
    model the stage starts from (``pardec.data_pipelines.jacobi_trajectories``; sharded over the torchrun
@@ -61,12 +61,14 @@ class JacobiForcingConfig(RecipeConfig):
     window: int = 16
     # progressive | reverse_progressive | random
     schedule: str = "progressive"
-    # zero (SPEC: windows start at block 0) | random (per-sample shift; see pardec.data_pipelines.jacobi_noise)
+    # zero (windows start at block 0, docs/methods/jacobi_forcing.md#noise-schedule) | random (per-sample shift;
+    # see pardec.data_pipelines.jacobi_noise)
     window_phase: str = "zero"
     # nc (noise-conditioned, the paper's choice) | nc_ic (intra-window clean context, ablation)
     mask: str = "nc"
-    # interleaved ([prompt][k_0][c_0][k_1][c_1]..., SPEC) | streams (every noisy block, then every clean
-    # block: the same attention, about half the FlexAttention tiles; pardec.data_pipelines.jacobi_batch)
+    # interleaved ([prompt][k_0][c_0][k_1][c_1]..., docs/methods/jacobi_forcing.md#packing) | streams (every noisy
+    # block, then every clean block: the same attention, about half the FlexAttention tiles;
+    # pardec.data_pipelines.jacobi_batch)
     layout: str = "interleaved"
     # w in L = L_pc + w * L_AR.
     ar_weight: float = 10.0

@@ -4,7 +4,7 @@ Each targeted linear layer computes ``h_j = W x_j + 1[input_j == <|mask|>] * s *
 App. G, Eq. 11). Prompt, committed, pending/draft tokens and padding get gate 0, so they run the
 base weights bit for bit; because clean queries never attend to ``<|mask|>`` positions (I-DLM
 training mask, strict causal ISD), the clean stream *equals the base model* and greedy R-ISD is
-lossless w.r.t. the base (SPEC §1).
+lossless w.r.t. the base (docs/methods/idlm.md#r-isd-with-gated-lora).
 
 Construction, on PEFT's ordinary ``lora.Linear`` (adapters save and load as plain PEFT adapters):
 

@@ -1,6 +1,6 @@
 """The decoder contract every validation decoder (AR, ISD, Jacobi, COVER, ...) implements.
 
-Counting conventions (SPEC §0), fixed here once for every method:
+Counting conventions (docs/methods/conventions.md#counting), fixed here once for every method:
 
 - **Prefill** is one forward over the prompt *without its last token* (``prompt[:-1]``). It only
   writes the KV cache and yields nothing, so it is excluded from the counts and from the timed

@@ -1,4 +1,4 @@
-"""Introspective Strided Decoding (ISD, SPEC §1): strict causal, KV cache, stride N.
+"""Introspective Strided Decoding (ISD, docs/methods/idlm.md#isd-decoding): strict causal, KV cache, stride N.
 
 References: I-DLM, Introspective Diffusion Language Models, arXiv:2604.11035 (§3.2, Algorithm 1,
 Appendix B and F).
@@ -57,8 +57,8 @@ the next step's ``pending`` input. After each forward the cache is cropped back 
 every MASK entry, the rejected drafts and the drafts past a rejection. The corrected / bonus token
 is never in the cache when the step ends.
 
-Counters (SPEC §0): ``forwards`` counts every decoding forward, the bootstrap included (it
-commits x_{L+1}); the prefill of ``prompt[:-1]`` is excluded. ``stats`` per sample:
+Counters (docs/methods/conventions.md#counting): ``forwards`` counts every decoding forward, the bootstrap
+included (it commits x_{L+1}); the prefill of ``prompt[:-1]`` is excluded. ``stats`` per sample:
 ``stride``, ``propose_steps``, ``verify_steps``, ``reached[k-1]`` (verify steps in which draft k
 was examined, i.e. drafts 1..k-1 were accepted) and ``accepted[k-1]`` (those in which draft k
 was accepted too). ``accepted[k-1] / verify_steps`` is the paper's P_k (probability that the

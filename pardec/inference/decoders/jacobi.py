@@ -1,15 +1,16 @@
 """Jacobi decoding (greedy, lossless) with a KV cache of the committed tokens.
 
 References: Jacobi Forcing, "Fast and Accurate Causal Parallel Decoding using Jacobi Forcing",
-arXiv:2512.14681, §2.1 Eq. (3)-(4) (Jacobi fixed-point iteration, block by block); SPEC §2.
+arXiv:2512.14681, §2.1 Eq. (3)-(4) (Jacobi fixed-point iteration, block by block);
+docs/methods/jacobi_forcing.md#jacobi-decoding.
 
 A *block* covers ``n`` output positions ``[S, S + n)`` (the last block of a sample is cut at
 ``max_new_tokens``). Its state ``y = (y_1 .. y_n)`` starts from a draft ``y^(0)`` and follows Eq. (3):
 ``y_i <- argmax p(. | x, y_<i)`` for every i at once, which is ONE causal forward over
 ``[anchor, y_1 .. y_{n-1}]`` where the *anchor* is the last committed token (the prompt's last
-token at the start). These are the n query tokens of the SPEC/trajectory convention
-("[first correct token] + n-1 drafts"); ``y_n`` is never an input (nothing in the block depends
-on it), so only its update matters.
+token at the start). These are the n query tokens of the trajectory convention
+("[first correct token] + n-1 drafts", docs/methods/jacobi_forcing.md#trajectory-collection); ``y_n`` is
+never an input (nothing in the block depends on it), so only its update matters.
 
 Per forward (``P`` = position of the next token to commit, the anchor sits at ``P - 1``; the KV
 cache holds exactly the prompt and the committed tokens *except* the anchor, as in AR decoding):
@@ -32,7 +33,8 @@ Draft initialisation (``draft_init``, seeded per sample by ``seed`` through ``ra
 
 - ``context`` (default): each draft token is drawn uniformly from the prompt and the tokens
   committed so far; this is the noise the Jacobi Forcing trajectories are collected from
-  (SPEC §2), so a trained model sees its training distribution of draft states;
+  (docs/methods/jacobi_forcing.md#trajectory-collection), so a trained model sees its training distribution
+  of draft states;
 - ``repeat``: the token just before the block, repeated (deterministic).
 
 Counting (``pardec.inference.decoders.base``): every forward of the loop is counted; each commits at

@@ -39,8 +39,8 @@ Cache modes:
   The prompt (but its last token) is frozen from the first full forward.
 
 No separate prefill: a bidirectional prompt's K/V depend on the generated region, so every model
-forward is a decoding forward and is counted (SPEC §0's prefill of ``prompt[:-1]`` applies to the
-guide of :mod:`pardec.inference.decoders.mdm_guided`, which is causal).
+forward is a decoding forward and is counted (the prefill of ``prompt[:-1]`` of docs/methods/conventions.md#counting
+applies to the guide of :mod:`pardec.inference.decoders.mdm_guided`, which is causal).
 
 **Stopping and counting.** Committed tokens never change. Decoding stops as soon as every position
 up to and including the first generated EOS is committed (nothing after it is ever output), or all

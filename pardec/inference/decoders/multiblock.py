@@ -1,7 +1,7 @@
 """Multi-block Jacobi decoding with rejection recycling (the paper's "MR" decoding), greedy, lossless.
 
 References: Jacobi Forcing, "Fast and Accurate Causal Parallel Decoding using Jacobi Forcing",
-arXiv:2512.14681, §3.2 and Appendix A, Algorithm 1; SPEC §2 "Decoding".
+arXiv:2512.14681, §3.2 and Appendix A, Algorithm 1; docs/methods/jacobi_forcing.md#multi-block-decoding.
 
 Blocks and drafts. Output positions are cut into blocks of ``n`` (``block_size``) as in
 ``pardec.inference.decoders.jacobi``. Up to ``K`` (``num_blocks``) consecutive blocks are in flight. The
@@ -20,7 +20,7 @@ One forward per iteration, over (buffer order)::
 ``E - 1`` (the last position of the last block) is never an input: nothing in flight depends on
 it, exactly like ``y_n`` in Jacobi decoding. Candidates are recycled n-grams (below), each an
 alternative draft for the RA's input positions ``P .. P+L-1`` (``L`` = RA positions in the
-chain's input). Copies of a position share its position id (SPEC §0).
+chain's input). Copies of a position share its position id (docs/methods/conventions.md#position-ids).
 
 Attention mask (a predicate over per-token ``branch`` and position ids, materialised as a 4-D
 float additive mask: 0 allowed, ``finfo.min`` elsewhere; see :func:`multiblock_mask`):

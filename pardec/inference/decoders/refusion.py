@@ -63,8 +63,8 @@ after it are dropped, and so are decoded tokens after it (and their K/V), but ev
 *before* it is still decoded (the official decoder's EOS index bug drops them). The final text is
 the slots sorted by position, which cover [0, target length) without a gap.
 
-Counting (SPEC §0): ``forwards`` = plan + verify + completion forwards (the prefill of
-``prompt[:-1]`` excluded: the last prompt token is the first plan forward's pending token);
+Counting (docs/methods/conventions.md#counting): ``forwards`` = plan + verify + completion forwards (the
+prefill of ``prompt[:-1]`` excluded: the last prompt token is the first plan forward's pending token);
 ``committed`` = output tokens up to and including EOS. ``stats``: ``steps`` (plan-and-infill
 iterations), ``slots_accepted`` (slots completed, over all steps), ``wholesale_steps`` (steps ended
 by verification), ``plan_forwards``, ``verify_forwards``, ``complete_forwards``, ``verify_reused``
