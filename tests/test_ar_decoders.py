@@ -118,19 +118,19 @@ def test_decoder_config_errors_name_the_key():
 
 
 def test_metrics_on_hand_built_records():
-    def rec(rank, committed, forwards, t, out, ref, correct):
+    def rec(rank, committed, forwards, t, out, ref, correct, text="", answer=None):
         return {"rank": rank, "committed": committed, "forwards": forwards, "wall_time_s": t, "hit_eos": True,
-                "output_ids": out, "reference_ids": ref, "correct": correct}
+                "output_ids": out, "reference_ids": ref, "correct": correct, "output_text": text, "answer": answer}
 
     records = [
-        rec(0, 6, 3, 1.0, [1, 2, 3], [1, 2, 3], True),
-        rec(0, 4, 2, 1.0, [1, 2, 9, 9], [1, 2, 3], False),
+        rec(0, 6, 3, 1.0, [1, 2, 3], [1, 2, 3], True, "3 + 4 = 7\n#### 7", "7"),
+        rec(0, 4, 2, 1.0, [1, 2, 9, 9], [1, 2, 3], False, "so she has 12 apples", "12"),  # flexible only
         rec(1, 2, 1, 3.0, [], [], None),
     ]
     m = compute_metrics(records, is_ar_greedy=False)
     assert m["tpf"] == 12 / 6 and m["nfe"] == 6 and m["nfe_per_sample"] == 2
     assert m["decode_time_s"] == 3.0 and m["tps"] == 12 / 3.0  # slowest rank bounds the wall time
-    assert m["accuracy"] == 0.5 and m["accuracy_n"] == 2
+    assert m["accuracy"] == 0.5 and m["accuracy_n"] == 2 and m["accuracy_flexible"] == 1.0
     assert m["agreement_exact"] == pytest.approx(2 / 3)
     assert m["agreement_prefix"] == pytest.approx((1 + 2 / 4 + 1) / 3)
     assert compute_metrics(records, is_ar_greedy=True)["agreement_prefix"] == "reference"

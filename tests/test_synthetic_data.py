@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from pardec.data_pipelines.synthetic_gsm import SyntheticGSMConfig, extract_answer, generate_split
+from pardec.data_pipelines.synthetic_gsm import SyntheticGSMConfig, extract_answer, extract_last_number, generate_split
 from pardec.data_pipelines.synthetic_tokenizer import build_synthetic_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -178,6 +178,20 @@ def test_bad_split_and_config_raise() -> None:
 )
 def test_extract_answer(text: str, expected: str | None) -> None:
     assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Lily has 73 + 11 = 84 dollars, so she has 75 now.", "75"),
+        ("The answer is **1,250** apples.", "1250"),
+        ("#### 8", "8"),
+        ("She ends with -3 dollars", "-3"),
+        ("no number here", None),
+    ],
+)
+def test_extract_last_number(text: str, expected: str | None) -> None:
+    assert extract_last_number(text) == expected
 
 
 def test_extract_answer_on_generated_responses(splits: dict[str, list[dict]]) -> None:

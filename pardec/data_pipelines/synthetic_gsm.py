@@ -28,27 +28,29 @@ from dataclasses import dataclass
 
 from omegaconf import OmegaConf
 
+from pardec.common.config_fields import check_config, ranged
+
 SPLIT_NAMES = ("train", "test", "val")
 
 
 @dataclass
 class SyntheticGSMConfig:
-    seed: int = 1234
-    num_train: int = 20000
-    num_test: int = 200
+    seed: int = ranged(1234, ge=0)
+    num_train: int = ranged(20000, ge=0)
+    num_test: int = ranged(200, ge=0)
     # Validation split for tuning decoders (thresholds, ...): disjoint from train and test, drawn
     # from its own seed after both, so adding it left train and test unchanged.
-    num_val: int = 200
+    num_val: int = ranged(200, ge=0)
     # Arithmetic steps (chain-of-thought lines) per problem.
-    min_steps: int = 2
-    max_steps: int = 3
+    min_steps: int = ranged(2, ge=1)
+    max_steps: int = ranged(3, ge=1)
     # Largest amount added or subtracted in one event (a purchase's total cost included) and
     # largest starting item count.
-    max_operand: int = 20
+    max_operand: int = ranged(20, ge=2)
     # Multiplication factors are drawn from [2, max_multiplier].
-    max_multiplier: int = 4
+    max_multiplier: int = ranged(4, ge=2)
     # No intermediate value or answer exceeds this.
-    max_value: int = 99
+    max_value: int = ranged(99, ge=2)
     # False: additions and subtractions only (no boxes family, no "each" purchases).
     allow_multiply: bool = True
 
@@ -91,6 +93,7 @@ FINAL = "#### {c}"
 
 _PLACEHOLDER = re.compile(r"\{[a-z]+\}")
 _ANSWER = re.compile(r"####\s*(-?\d+)")
+_NUMBER = re.compile(r"-?\d[\d,]*")
 
 
 def vocabulary_texts() -> list[str]:
@@ -109,6 +112,15 @@ def extract_answer(text: str) -> str | None:
     """The integer after the last ``####`` in ``text`` (as a string), or None if there is none."""
     matches = _ANSWER.findall(text)
     return str(int(matches[-1])) if matches else None
+
+
+def extract_last_number(text: str) -> str | None:
+    """The last integer in ``text`` (commas allowed as thousands separators), or None: the lenient
+    reading of an answer, for models not trained on the ``#### n`` format (an instruct model's
+    zero-shot answer), as lm-eval's GSM8K "flexible-extract" does. :func:`extract_answer` is the
+    strict one, the accuracy pardec reports."""
+    matches = _NUMBER.findall(text)
+    return str(int(matches[-1].replace(",", ""))) if matches else None
 
 
 def split_seed(seed: int, split: str) -> int:
@@ -137,17 +149,13 @@ def generate_split(cfg: SyntheticGSMConfig, split: str) -> list[dict]:
 
 
 def _check_config(cfg: SyntheticGSMConfig) -> None:
-    if not 1 <= cfg.min_steps <= cfg.max_steps:
-        raise ValueError(f"synthetic: need 1 <= min_steps <= max_steps, got {cfg.min_steps}, {cfg.max_steps}")
-    if cfg.max_operand < 2 or cfg.max_value < cfg.max_operand:
-        raise ValueError(f"synthetic: need 2 <= max_operand <= max_value, got {cfg.max_operand}, {cfg.max_value}")
-    if cfg.allow_multiply and (cfg.max_multiplier < 2 or cfg.max_value < 4):
-        raise ValueError(
-            f"synthetic: allow_multiply needs max_multiplier >= 2 and max_value >= 4, "
-            f"got {cfg.max_multiplier}, {cfg.max_value}"
-        )
-    if cfg.num_train < 0 or cfg.num_test < 0 or cfg.num_val < 0:
-        raise ValueError("synthetic: num_train, num_test and num_val must be >= 0")
+    check_config(cfg, "data.synthetic")  # the declared ranges; below, what relates two fields
+    if cfg.min_steps > cfg.max_steps:
+        raise ValueError(f"synthetic: need min_steps <= max_steps, got {cfg.min_steps}, {cfg.max_steps}")
+    if cfg.max_value < cfg.max_operand:
+        raise ValueError(f"synthetic: need max_operand <= max_value, got {cfg.max_operand}, {cfg.max_value}")
+    if cfg.allow_multiply and cfg.max_value < 4:
+        raise ValueError(f"synthetic: allow_multiply needs max_value >= 4, got {cfg.max_value}")
 
 
 def _generate(cfg: SyntheticGSMConfig, count: int, rng: random.Random, exclude: set[str]) -> list[dict]:

@@ -11,7 +11,9 @@ A record is a dict with at least ``committed``, ``forwards``, ``wall_time_s``, `
   wall time (with one process it is simply the summed loop time);
 - ``accuracy`` = exact-answer accuracy over the samples that have a gold answer
   (``accuracy_n`` of them): :func:`pardec.data_pipelines.synthetic_gsm.extract_answer` of the output
-  equals the gold answer;
+  equals the gold answer; ``accuracy_flexible`` the same with the output's last number
+  (:func:`pardec.data_pipelines.synthetic_gsm.extract_last_number`), for models that answer in
+  their own words (a chat model before fine-tuning);
 - ``agreement_exact`` = fraction of samples whose output equals the AR greedy output token for
   token, ``agreement_prefix`` = mean over samples of LCP(out, ref) / max(|out|, |ref|) (1 only
   when identical). For the AR greedy decoder itself both are the string ``"reference"`` (never a
@@ -24,7 +26,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pardec.data_pipelines.synthetic_gsm import extract_answer
+from pardec.data_pipelines.synthetic_gsm import extract_answer, extract_last_number
 
 REFERENCE = "reference"
 
@@ -86,10 +88,19 @@ def compute_metrics(records: Sequence[Mapping[str, Any]], is_ar_greedy: bool) ->
         "mean_new_tokens": committed / len(records),
         "eos_rate": sum(bool(r["hit_eos"]) for r in records) / len(records),
         "accuracy": sum(scored) / len(scored) if scored else None,
+        "accuracy_flexible": _flexible_accuracy(records),
         "accuracy_n": len(scored),
     }
     metrics.update(_agreement(records, is_ar_greedy))
     return metrics
+
+
+def _flexible_accuracy(records: Sequence[Mapping[str, Any]]) -> float | None:
+    golds = [(r.get("output_text") or "", r.get("answer")) for r in records if r.get("correct") is not None]
+    if not golds:
+        return None
+    hits = [(p := extract_last_number(text)) is not None and _normalise(p) == _normalise(gold) for text, gold in golds]
+    return sum(hits) / len(hits)
 
 
 def _agreement(records: Sequence[Mapping[str, Any]], is_ar_greedy: bool) -> dict[str, Any]:
