@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -313,3 +314,46 @@ def test_multi_stage_raised_max_steps(tmp_path):
     result = run_in_process([f"output_dir={tmp_path}", stages(1, 3)])
     assert result.status == "finished" and result.step == 3
     assert _steps(tmp_path / "stages" / "01-b") == [1, 2, 3]
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 40: a checkpoint is trusted only where it should be
+
+
+def test_missing_checksums_of_a_run_that_records_them_is_refused(tmp_path):
+    """checksums.json deleted (and a byte flipped): the resume refuses naming the missing file instead
+    of loading unverified weights; a checkpoint from before checksums (no saved_at) is only warned about."""
+    run_in_process([f"output_dir={tmp_path}", "trainer.max_steps=4", "trainer.stop_after_steps=2"])
+    path = tmp_path / "checkpoints" / "step-00000002"
+    (path / ckpt.CHECKSUM_FILE).unlink()
+    model_file = next(path.glob("*model_states.pt"))
+    data = bytearray(model_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    model_file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{path / ckpt.CHECKSUM_FILE} is missing"):
+        run_in_process([f"output_dir={tmp_path}", "trainer.max_steps=4"])
+
+    legacy = _save(tmp_path / "legacy", 2, "two", "L")
+    (legacy / ckpt.CHECKSUM_FILE).unlink()
+    state = json.loads((legacy / ckpt.STATE_FILE).read_text())
+    del state["saved_at"]
+    (legacy / ckpt.STATE_FILE).write_text(json.dumps(state))
+    ckpt.verify_checksums(legacy)  # written before checksums were recorded: not verified, not refused
+
+
+def test_latest_pointing_out_of_the_run_is_refused(tmp_path):
+    """latest edited to another run's checkpoint (a relative path out, or a link planted in
+    checkpoints/) is refused naming the file and the value, never resumed."""
+    mine, theirs = tmp_path / "mine" / "checkpoints", tmp_path / "theirs" / "checkpoints"
+    _save(mine, 2, "mine", "M")
+    _save(theirs, 8, "theirs", "T")
+    escape = "../../theirs/checkpoints/step-00000008"
+    (mine / "latest").write_text(escape)
+    with pytest.raises(CheckpointError, match=rf"{mine / 'latest'} names '{re.escape(escape)}'"):
+        ckpt.plan_resume(tmp_path / "mine", "auto", "refuse")
+    (mine / "step-00000009").symlink_to(theirs / "step-00000008")
+    (mine / "latest").write_text("step-00000009")
+    with pytest.raises(CheckpointError, match=rf"{mine / 'latest'} names 'step-00000009'.*symbolic link"):
+        ckpt.plan_resume(tmp_path / "mine", "auto", "refuse")
+    (mine / "latest").unlink()  # repaired from this run's own checkpoints only, never the link
+    assert ckpt.plan_resume(tmp_path / "mine", "auto", "refuse").path == mine / "step-00000002"

@@ -31,7 +31,10 @@ What is guaranteed (README, "Resume and preemption"):
   runs (or from before lineages existed) are never deleted, and one in the way of a save is renamed
   to ``step-N.displaced-<time>``, not deleted. Deletion renames to ``*.deleting`` first, so a kill
   mid-delete never leaves a directory that looks complete.
-* Resume verifies the checksums (a same-size corruption is found and the file named).
+* Resume verifies the checksums (a same-size corruption is found and the file named); a checkpoint
+  written with checksums whose ``checksums.json`` is missing is refused, naming the file.
+* ``latest`` must name a ``step-N`` directory directly inside the run's ``checkpoints`` (not a path
+  out of it, not a symbolic link); anything else is refused, naming the file and the value.
 * A fresh start (``trainer.resume=never``, or ``auto`` with nothing to resume) in a directory that
   holds a previous run's checkpoints, exports or DONE marker refuses, naming them, unless
   ``trainer.on_existing`` is ``archive`` (moved to ``<output_dir>/archive/<time>/``) or ``delete``.
@@ -186,7 +189,7 @@ def complete_checkpoints(root: Path) -> list[tuple[Path, dict[str, Any]]]:
     """Complete ``step-N`` checkpoints under ``root`` with their states, oldest written first."""
     found = []
     for path in root.glob("step-*") if root.is_dir() else []:
-        if _TAG.fullmatch(path.name) and path.is_dir():
+        if _TAG.fullmatch(path.name) and path.is_dir() and not path.is_symlink():  # a link: not this run's
             state = read_state(path)
             if state is not None:
                 found.append((path, state))
@@ -197,7 +200,8 @@ def complete_checkpoints(root: Path) -> list[tuple[Path, dict[str, Any]]]:
 # checksums
 
 
-def _file_digest(path: Path) -> dict[str, Any]:
+def file_digest(path: Path) -> dict[str, Any]:
+    """``{"size", "sha256"}`` of a file (checkpoint files here, training data files in ``fingerprint``)."""
     with open(path, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
     return {"size": path.stat().st_size, "sha256": digest}
@@ -227,7 +231,7 @@ def compute_checksums(path: Path) -> dict[str, dict[str, Any]]:
     share of the files); every rank gets the whole table."""
     rank, world = _rank_world()
     files = _checkpoint_files(path)
-    mine = {name: _file_digest(path / name) for name in files[rank::world]}
+    mine = {name: file_digest(path / name) for name in files[rank::world]}
     table: dict[str, dict[str, Any]] = {}
     for part in _gather(mine):
         table.update(part)
@@ -248,12 +252,18 @@ def verify_checksums(path: Path) -> None:
         raise CheckpointError(f"corrupt checkpoint file {manifest_file}: {err}") from err
     rank, world = _rank_world()
     problems = []
+        # saved_at and checksums.json were introduced together: a state with saved_at was saved with checksums.
+        if "saved_at" in (read_state(path) or {}):
+            raise CheckpointError(
+                f"corrupt checkpoint {path}: {manifest_file} is missing, but this checkpoint was written with "
+                f"checksums (its {STATE_FILE} records saved_at), so its files cannot be verified; resume from "
+                f"another checkpoint with trainer.resume=<dir>")
     for name in sorted(manifest)[rank::world]:
         file = path / name
         if not file.is_file():
             problems.append(f"{file} is missing")
             continue
-        got = _file_digest(file)
+        got = file_digest(file)
         if got["size"] != manifest[name]["size"]:
             problems.append(f"{file} has {got['size']} bytes, {manifest[name]['size']} were written")
         elif got["sha256"] != manifest[name]["sha256"]:
@@ -421,8 +431,21 @@ def _latest_or_repair(root: Path, notes: list[str]) -> Path | None:
     if not candidates:
         if named is not None:
             raise CheckpointError(
+def _check_own(root: Path, named: str) -> None:
+    """``latest`` may only name a checkpoint directory of this run: ``step-N`` directly inside ``root``,
+    not a path out of it and not a symbolic link (to another run's checkpoint)."""
+    path = root / named
+    if not _TAG.fullmatch(named) or path.is_symlink() or (path.exists() and path.resolve().parent != root.resolve()):
+        raise CheckpointError(
+            f"{root / LATEST} names {named!r}, which is not a checkpoint of this run: it must name a directory "
+            f"step-NNNNNNNN directly inside {root} (no path, no symbolic link). Delete {root / LATEST} to resume from "
+            f"this run's newest complete checkpoint, or resume another checkpoint explicitly with trainer.resume=<dir>")
+
+
                 f"{root / LATEST} names {named}, but {root / named / STATE_FILE} is missing and {root} holds no "
                 f"other complete checkpoint: nothing to resume from. Start over with trainer.resume=never "
+    if named is not None:
+        _check_own(root, named)
                 f"trainer.on_existing=archive, or give a checkpoint with trainer.resume=<dir>")
         return None
     newest = candidates[-1][0]
