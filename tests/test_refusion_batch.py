@@ -268,7 +268,8 @@ def test_every_backend_matches_explicit_float_mask(arch, impl):
 
 
 def test_position_jumps_without_a_mask_give_wrong_logits():
-    """The transformers trap (SPEC §3): no mask + permuted positions is silently wrong."""
+    """The transformers trap (docs/methods/refusion.md#the-transformers-position-id-trap): no mask +
+    permuted positions is silently wrong."""
     _, batch = packed_batch()
     model = tiny_model("qwen3", "sdpa")
     row = batch["attention"].metadata["segment_ids"][0]

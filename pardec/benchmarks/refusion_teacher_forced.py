@@ -1,8 +1,8 @@
 # python -m pardec.benchmarks.refusion_teacher_forced --base runs/default_base/hf --refusion runs/refusion_default/hf
 """Where a ReFusion conversion loses next-token accuracy: teacher-forced, by position in the slot.
 
-ReFusion's ARM loss trains next-token targets inside a slot only (SPEC §3): a slot's first token is
-never a next-token target, and the decoder takes it from the plan (the mask head). So the
+ReFusion's ARM loss trains next-token targets inside a slot only (docs/methods/refusion.md#loss): a
+slot's first token is never a next-token target, and the decoder takes it from the plan (the mask head). So the
 conversion's own AR greedy can lose accuracy at slot starts while keeping it inside slots. For each
 problem and each answer position j (the response and its EOS), each model sees the true prefix
 ``prompt + answer[:j]`` causally (``pardec.benchmarks.mdm_teacher_forced.ar_guesses``, one forward per

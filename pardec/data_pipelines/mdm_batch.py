@@ -1,4 +1,5 @@
-"""Packed masked-diffusion (MDM) training batches: random answer masking, logit shift, weights (SPEC §4).
+"""Packed masked-diffusion (MDM) training batches: random answer masking, logit shift, weights
+(docs/methods/mdm.md#training).
 
 Per sample of length L (prompt + answer + eos) with ``prompt_len`` = P:
 

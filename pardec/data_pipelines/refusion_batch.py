@@ -1,11 +1,12 @@
-"""Packed ReFusion training buffers: slot masking, clean-slot permutation, original positions (SPEC §3).
+"""Packed ReFusion training buffers: slot masking, clean-slot permutation, original positions
+(docs/methods/refusion.md#slot-masking, docs/methods/refusion.md#clean-slot-permutation).
 
 Per sample (``input_ids`` = prompt + response + EOS, ``prompt_len`` = P; the *answer* is
 ``input_ids[P:]``, the response plus EOS, A tokens):
 
 1. slot size k drawn uniformly from ``slot_sizes`` (a one-element set fixes it); the answer is cut
    into K = ceil(A / k) slots, the last one possibly short (A = 0: no slot, the prompt only);
-2. t ~ U(0, 1); ``masking="count"`` (paper / SPEC, default) masks exactly max(1, floor(t K))
+2. t ~ U(0, 1); ``masking="count"`` (the paper, default) masks exactly max(1, floor(t K))
    slots chosen uniformly; ``masking="bernoulli"`` (the official code) masks each slot
    independently with p = (1 - 1e-3) t + 1e-3, so it may mask none or all of them; with
    probability ``suffix_mask_prob`` (an option beyond the paper, 0 by default) the same number of

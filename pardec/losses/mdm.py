@@ -1,4 +1,5 @@
-"""Masked-diffusion (MDM) loss: weighted CE over the masked answer tokens (SPEC §4).
+"""Masked-diffusion (MDM) loss: weighted CE over the masked answer tokens
+(docs/methods/mdm.md#loss-weights-and-normalisation).
 
 References: LLaDA, Large Language Diffusion Models, arXiv:2502.09992 (Eq. 3, 1/t weight);
 Dream 7B, arXiv:2508.15487 (logit shift, CART weighting).

@@ -1,4 +1,4 @@
-"""ReFusion hybrid loss: L = L_ARM + lambda * L_MDM (SPEC §3, paper Eq. 1-3).
+"""ReFusion hybrid loss: L = L_ARM + lambda * L_MDM (paper Eq. 1-3; docs/methods/refusion.md#loss).
 
 References: ReFusion, arXiv:2512.13586, §4.3 Eq. (1)-(3).
 
@@ -6,7 +6,7 @@ Labels come from ``pardec.data_pipelines.refusion_batch`` (one forward over the 
 
 * L_ARM: next-token CE inside each clean slot (targets j = 2..k of the slot, never across slots),
   token mean over all such targets of the micro-batch;
-* L_MDM, ``mdm_norm="mean"`` (SPEC, default): CE of every ``<|mask|>`` position predicting its own
+* L_MDM, ``mdm_norm="mean"`` (the paper, default): CE of every ``<|mask|>`` position predicting its own
   token, token mean over the masked tokens of the micro-batch (this mean already contains the 1/t
   weight of the MDM bound);
 * L_MDM, ``mdm_norm="llada"`` (official code): sum_i CE_i / p_mask / answer_len / B, i.e. per

@@ -1,4 +1,5 @@
-"""ReFusion attention: causal over the *reordered* buffer, in training and in decoding (SPEC §3).
+"""ReFusion attention: causal over the *reordered* buffer, in training and in decoding
+(docs/methods/refusion.md#attention).
 
 Training (``pardec.data_pipelines.refusion_batch``) lays a sample out as ``[prompt | clean slots in a
 random order | masked slots in position order]``, every token at its original position id. The

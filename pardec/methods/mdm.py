@@ -1,4 +1,5 @@
-"""MDM recipe: Dream-style adaptation of an AR base into a masked-diffusion LM (SPEC §4).
+"""MDM recipe: Dream-style adaptation of an AR base into a masked-diffusion LM
+(docs/methods/mdm.md#training).
 
 Each micro-batch (``micro_batch_size`` samples, packed into rows of ``data.pack_length`` tokens):
 every answer token is masked with probability t ~ U(eps, 1) (one t per sample), the model sees the
@@ -13,11 +14,11 @@ GPU) and the attention modules' ``is_causal`` flags are switched off too, so no 
 causal. The export records ``attention``, ``attention_block_size``, ``logit_shift`` and the
 ``<|mask|>`` id for the decoders (``pardec.inference.decoders.mdm_*``).
 
-Decision (SPEC silent): block-causal training on the single noisy stream noises the answer blocks
+Decision (docs/methods/mdm.md#clean-context): block-causal training on the single noisy stream noises the answer blocks
 to the left of a block too, while semi-AR decoding sees them clean. ``recipe.clean_context=true``
 trains SDAR / BD3-LM style on ``[x_0 | x_t]`` instead (``pardec.data_pipelines.mdm_batch``): every block
 learns from the clean blocks before it, at the cost of the answer's tokens twice per sample. The
-recipe default keeps the single stream (the SPEC's); ``experiment=mdm_default`` chooses on val.
+recipe default keeps the single stream (the plain recipe's); ``experiment=mdm_default`` chooses on val.
 
 References: LLaDA arXiv:2502.09992; Dream 7B arXiv:2508.15487 (AR initialisation, logit shift,
 CART); FlashDLM arXiv:2505.21467 (the decoders it serves).

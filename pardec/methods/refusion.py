@@ -1,4 +1,5 @@
-"""ReFusion recipe: slot-permuted causal training with a hybrid ARM + MDM loss (SPEC §3).
+"""ReFusion recipe: slot-permuted causal training with a hybrid ARM + MDM loss
+(docs/methods/refusion.md#training).
 
 Per micro-batch (``pardec.data_pipelines.refusion_batch``): each sample's answer (response + EOS) is cut
 into slots of a size k drawn from ``recipe.slot_sizes``; some slots are masked (``masking``:
@@ -41,9 +42,9 @@ class ReFusionConfig(RecipeConfig):
     name: str = "refusion"
     # Slot sizes k drawn uniformly per sample (one value = fixed k).
     slot_sizes: List[int] = field(default_factory=lambda: [4, 8, 16, 32])
-    # count (paper / SPEC: exactly max(1, floor(t K)) slots) | bernoulli (official: per slot, p = t)
+    # count (paper: exactly max(1, floor(t K)) slots) | bernoulli (official: per slot, p = t)
     masking: str = "count"
-    # mean (SPEC: token mean over masked tokens) | llada (official: sum CE / p_mask / answer_len / B)
+    # mean (paper: token mean over masked tokens) | llada (official: sum CE / p_mask / answer_len / B)
     mdm_norm: str = "mean"
     # Probability that a sample keeps its clean slots in position order instead of permuting them
     # (beyond the paper, which always permutes: 0). Ordered clean slots are the state the decoder

@@ -2,7 +2,7 @@
 
 A bidirectional (MDM) model always receives an explicit 4-D mask, and SDPA only falls back to a
 causal kernel when the mask is missing; setting the modules' ``is_causal`` flag to False as well
-(SPEC §4) means a forgotten mask can no longer turn the model silently causal on the paths that
+(docs/methods/mdm.md#attention) means a forgotten mask can no longer turn the model silently causal on the paths that
 read the flag (sdpa, flash-attn, flex).
 """
 

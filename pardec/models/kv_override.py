@@ -1,4 +1,5 @@
-"""KV-override attention: COVER's single-forward leave-one-out verification (SPEC §4).
+"""KV-override attention: COVER's single-forward leave-one-out verification
+(docs/methods/cover.md#kv-override).
 
 COVER re-verifies a set of *seed* positions (tokens committed at earlier steps) in the same forward
 that drafts new tokens. The seeds are masked in the input, so their verifying queries cannot copy

@@ -3,7 +3,8 @@
 Reference: COVER, Stop the Flip-Flop: Context-Preserving Verification for Fast Revocable Diffusion
 Decoding, arXiv:2602.06161 (§3 protocol, §5.1 KV override + App. B correction, §5.2 drafting and
 Keep/Replace/ReMask, §5.3 seed scoring and adaptive revision rate). Its code is not public: this
-follows the paper and SPEC §4; the choices the paper leaves open are marked **(choice)** below.
+follows the paper; the choices the paper leaves open are marked **(choice)** below and listed in
+docs/methods/cover.md#deviations-and-choices.
 
 Same fixed length, semi-AR blocks, named errors, EOS stop and counting as the other MDM decoders
 (:mod:`pardec.inference.decoders.mdm_common`): ``prompt + L x <|mask|>``, blocks decoded left to right,
@@ -39,13 +40,14 @@ forward (no cache: each step is one full forward with the explicit bidirectional
    the shift (which ``mdm_info`` guarantees).
 2. *Draft*: among the block's masked positions (not the seeds), those with confidence (softmax
    probability of the argmax) > ``draft_threshold``, at most ``draft_budget`` (the most confident),
-   and the most confident one always **(choice: SPEC's "always top-1", so every step progresses)**.
+   and the most confident one always **(choice: "always top-1", so every step
+   progresses; docs/methods/cover.md#drafting)**.
 3. *Verify* each seed i with its prediction (ỹ, c̃): Keep if ỹ equals the current token; Replace
    (in place) if ỹ differs and c̃ > ``draft_threshold``; ReMask otherwise. **ReMask cap (choice,
-   SPEC):** at most ``|drafted| - 1`` ReMasks per step, so the number of decoded positions grows by
-   at least one per step (a block of size k finishes in at most k steps); when the cap binds, the
-   seeds whose current token has the lowest probability are re-masked and the others kept
-   (counted in ``stats["capped_remasks"]``).
+   docs/methods/cover.md#keep-replace-remask):** at most ``|drafted| - 1`` ReMasks per step, so the
+   number of decoded positions grows by at least one per step (a block of size k finishes in at
+   most k steps); when the cap binds, the seeds whose current token has the lowest probability are
+   re-masked and the others kept (counted in ``stats["capped_remasks"]``).
 4. *Seeds for the next step* (only while the block still has masked positions), from the block's
    decoded positions **(choice: the pool is the current block, not the whole answer)**:
    ``score(j) = u(j) (1 + d_in(j)) / (1 + d_out(j))`` with ``u = -log p_j(y_j)`` from this forward,

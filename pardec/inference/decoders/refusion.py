@@ -1,21 +1,21 @@
-"""ReFusion plan-and-infill decoding with KV reuse (SPEC §3).
+"""ReFusion plan-and-infill decoding with KV reuse (docs/methods/refusion.md#decoding).
 
 References: ReFusion, arXiv:2512.13586, §4.2 and Appendix A.2 (Eq. 4-7), §5.1 (semi-AR blocks).
 
 The target of ``max_new_tokens`` = L positions after the prompt is cut into slots of k tokens (the
 last one possibly short) and semi-AR blocks of b tokens (b a multiple of k). Each iteration:
 
-1. **Plan** (one forward): after the KV cache of the committed context, feed any *pending*
-   tokens (the last token of each slot completed in the previous step, whose K/V are not cached
-   yet) and then the remaining masked slots in position order (``plan_scope=block``, the default and
-   the official code: only the current block's; ``all``, the SPEC's wording: every remaining slot of
-   the target). Attention is causal and the current block's slots are the first remaining ones, so
-   the masks of later blocks cannot change their predictions: both scopes decode the same tokens
-   (tested), ``block`` with shorter plan forwards. Each mask
+1. **Plan** (one forward): after the KV cache of the committed context, feed any *pending* tokens
+   (the last token of each slot completed in the previous step, whose K/V are not cached yet) and
+   then the remaining masked slots in position order (``plan_scope=block``, the default and the
+   official code: only the current block's; ``all``, the paper's wording: every remaining slot of
+   the target; docs/methods/refusion.md#plan-scope). Attention is causal and the current block's
+   slots are the first remaining ones, so the masks of later blocks cannot change their predictions:
+   both scopes decode the same tokens (tested), ``block`` with shorter plan forwards. Each mask
    predicts its own token: the draft is its argmax (``mode=greedy``) or a sample (``mode=sample``,
    temperature / top-k / top-p). A slot's score is the probability of its draft's first token
-   (Eq. 5). Among the current block's masked slots, those with score > ``plan_threshold`` are
-   selected; if none, the single best. The masks' K/V are dropped; the pending tokens' K/V kept.
+   (Eq. 5). Among the current block's masked slots, those with score > ``plan_threshold`` are selected;
+   if none, the single best. The masks' K/V are dropped; the pending tokens' K/V kept.
 2. **Verify** (one forward): the selected drafts concatenated in position order, causal. Token j > 1
    of a slot has the probability of the draft under the query before it; token 1 keeps its plan
    probability (Eq. 6). The longest prefix with every probability > ``verify_threshold`` is found;
@@ -26,31 +26,32 @@ last one possibly short) and semi-AR blocks of b tokens (b a multiple of k). Eac
    the slots are completed autoregressively *in parallel*, one forward per round: round 0 feeds
    every slot's l' tokens, later rounds each unfinished slot's newest token, all in one row whose
    mask (``pardec.masks.refusion.refusion_decode_mask``) lets a slot see only the committed context and
-   itself; its last token becomes pending. This single row is equivalent to the SPEC's "batched
-   rows sharing the KV cache" without copying the cache per slot. With a single selected slot
+   itself; its last token becomes pending. This single row is equivalent to completing the slots as
+   batched rows that share the KV cache, without copying the cache per slot
+   (docs/methods/refusion.md#parallel-completion). With a single selected slot
    (``reuse_verify``, default) the verify forward already computed round 0: its K/V of the l'
    tokens (the context and the prefix, in order) are kept and the slot's next token is taken from
    its distribution after the prefix, so completion starts at round 1 with the same tokens.
 
-**Fused plan** (``fuse_plan``, default; not in the paper or the SPEC, whose plan is a forward of its
-own every step): the verify forward of step t also feeds, after the drafts,
-the masks of the slots step t + 1 would plan if every selected slot were accepted whole without EOS.
-Attention is causal, so those masks see exactly the context that step t + 1's plan forward would
-see (the committed context and the accepted drafts, at the same positions). When step t does end
-that way, step t + 1 takes its drafts and scores from those rows (sampled only then, so the random
-stream is the same) and runs no plan forward: the same tokens (tested, both KV modes), one forward
-fewer. Otherwise the extra rows are discarded with the verify K/V they came with.
+**Fused plan** (``fuse_plan``, default; not in the paper, whose plan is a forward of its own every
+step; docs/methods/refusion.md#fused-plan): the verify forward of step t also feeds, after the
+drafts, the masks of the slots step t + 1 would plan if every selected slot were accepted whole
+without EOS. Attention is causal, so those masks see exactly the context that step t + 1's plan
+forward would see (the committed context and the accepted drafts, at the same positions). When step
+t does end that way, step t + 1 takes its drafts and scores from those rows (sampled only then, so
+the random stream is the same) and runs no plan forward: the same tokens (tested, both KV modes),
+one forward fewer. Otherwise the extra rows are discarded with the verify K/V they came with.
 
-**First token from the AR head** (``first_token=ar``; not in the paper or the SPEC, where the plan's
-mask drafts and scores it): with one slot per block (b = k) every slot starts right after the
-committed text, whose last token's row is the AR head's prediction of the slot's first token. That
-row comes from the plan forward (the pending token; with recomputation, the last context entry) or,
-after wholesale acceptance, from the verify forward's last accepted token; it replaces the mask's
-draft and score of the first token. Verification then checks the rest of the slot as before, so with
-greedy drafts and thresholds >= 0.5 (an accepted probability is then the argmax) every output token is
-the AR head's argmax: the output is the checkpoint's own AR greedy decode, and the masks only decide
-how many tokens one step commits. It suits a conversion trained with ``recipe.ar_across_slots``,
-whose AR head is trained at slot starts.
+**First token from the AR head** (``first_token=ar``; not in the paper, where the plan's mask drafts
+and scores it; docs/methods/refusion.md#first-token-from-the-ar-head): with one slot per block
+(b = k) every slot starts right after the committed text, whose last token's row is the AR head's
+prediction of the slot's first token. That row comes from the plan forward (the pending token; with
+recomputation, the last context entry) or, after wholesale acceptance, from the verify forward's
+last accepted token; it replaces the mask's draft and score of the first token. Verification then
+checks the rest of the slot as before, so with greedy drafts and thresholds >= 0.5 (an accepted
+probability is then the argmax) every output token is the AR head's argmax: the output is the
+checkpoint's own AR greedy decode, and the masks only decide how many tokens one step commits. It
+suits a conversion trained with ``recipe.ar_across_slots``, whose AR head is trained at slot starts.
 
 KV reuse: committed K/V are never recomputed. After the plan forward that consumed the pending
 tokens, the entries of the previous step are regrouped so that each completed slot's K/V are
@@ -71,10 +72,11 @@ by verification), ``plan_forwards``, ``verify_forwards``, ``complete_forwards``,
 (completions that started from the verify forward), ``plans_fused`` (plans taken from the previous
 verify forward, no forward of their own).
 
-Decisions where the paper and SPEC are silent: the ``<|mask|>`` logit is excluded from every
-distribution (a draft or completion never emits it); in sample mode the score and verification
-probabilities come from the same transformed (temperature / top-k / top-p) distribution the drafts
-are sampled from; ``block_size`` null = the whole target (one block).
+Decisions where the paper is silent (docs/methods/refusion.md#decisions-where-the-paper-is-silent):
+the ``<|mask|>`` logit is excluded from every distribution (a draft or completion never emits it);
+in sample mode the score and verification probabilities come from the same transformed
+(temperature / top-k / top-p) distribution the drafts are sampled from; ``block_size`` null = the
+whole target (one block).
 """
 
 from __future__ import annotations
@@ -117,12 +119,12 @@ class ReFusionDecoderConfig(DecoderConfig):
     top_p: float = 1.0
     # true: reuse the KV cache across steps; false: recompute the whole context every forward.
     kv_reuse: bool = True
-    # block (official: the current block's masked slots) | all (SPEC: every remaining masked slot).
+    # block (official: the current block's masked slots) | all (the paper: every remaining masked slot).
     # Same tokens either way (causal attention); block's plan forwards are shorter.
     plan_scope: str = "block"
     # true: a single selected slot that verification left partial keeps the verify forward's K/V of
     # its verified prefix and takes its next token from that forward (one completion forward fewer,
-    # the same tokens); false: completion re-feeds the prefix, as the SPEC words it.
+    # the same tokens); false: completion re-feeds the prefix, as the paper words it.
     reuse_verify: bool = True
     # true: the verify forward also carries the masks of the slots the next step would plan if every
     # selected slot is accepted whole; when that happens their predictions replace the next plan
