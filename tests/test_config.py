@@ -50,9 +50,13 @@ def test_unknown_recipe_key_fails_naming_it():
         compose_train(["+recipe.bogus_key=1"])
 
 
-def test_bad_value_fails_naming_key():
-    with pytest.raises(ConfigError, match="data.length_policy"):
+def test_bad_choice_fails_naming_key_and_choices():
+    """A typed choice is refused while Hydra composes (the CLI prints both lines)."""
+    with pytest.raises(ConfigCompositionException) as err:
         compose_train(["data.length_policy=sometimes"])
+    message = f"{err.value}\n{err.value.__cause__}"
+    assert "full_key: data.length_policy" in message
+    assert "Invalid value 'sometimes', expected one of [truncate, drop, error]" in message
 
 
 def test_unknown_recipe_name_lists_known_ones():

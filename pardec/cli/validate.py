@@ -81,7 +81,8 @@ def validate(cfg: DictConfig) -> None:
 
 def write_outputs(out_dir: Path, metrics: dict, records: list[dict], cfg: DictConfig, world_size: int, table: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary = {"metrics": metrics, "world_size": world_size, "config": OmegaConf.to_container(cfg, resolve=True)}
+    config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    summary = {"metrics": metrics, "world_size": world_size, "config": config}
     (out_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out_dir / "metrics.md").write_text(table)
     with open(out_dir / "samples.jsonl", "w") as f:

@@ -7,13 +7,36 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from pardec.common.config_fields import Choice, ranged
 from pardec.data_pipelines.synthetic_gsm import SyntheticGSMConfig
+
+
+class DataSource(Choice):
+    """synthetic (embedded GSM-style generator) | files (local jsonl/json/parquet/txt) | hub"""
+
+    synthetic = "synthetic"
+    files = "files"
+    hub = "hub"
+
+
+class Template(Choice):
+    """plain: prompt + response concatenated as is; chat: the tokenizer's chat template."""
+
+    plain = "plain"
+    chat = "chat"
+
+
+class LengthPolicy(Choice):
+    """truncate | drop (counted and logged) | error (first over-long sample raises)"""
+
+    truncate = "truncate"
+    drop = "drop"
+    error = "error"
 
 
 @dataclass
 class DataConfig:
-    # synthetic (embedded GSM-style generator) | files (local jsonl/json/parquet/txt) | hub
-    source: str = "synthetic"
+    source: DataSource = DataSource.synthetic
     train_files: List[str] = field(default_factory=list)
     eval_files: List[str] = field(default_factory=list)
     hub_name: Optional[str] = None
@@ -22,20 +45,19 @@ class DataConfig:
     eval_split: str = "test"
     prompt_field: str = "prompt"
     response_field: str = "response"
-    # plain: prompt + response concatenated as is; chat: the tokenizer's chat template.
-    template: str = "plain"
-    max_length: int = 512
-    # truncate | drop (counted and logged) | error (first over-long sample raises)
-    length_policy: str = "truncate"
+    template: Template = Template.plain
+    max_length: int = ranged(512, ge=1)
+    length_policy: LengthPolicy = LengthPolicy.truncate
     packing: bool = True
     # Row length when packing; null = max_length.
-    pack_length: Optional[int] = None
+    pack_length: Optional[int] = ranged(None, ge=1)
     # Largest fraction of a split's tokens that may be the tokenizer's unknown token (a tokenizer
     # that does not cover the text, e.g. non-ASCII text with a word-level vocabulary); above it
     # tokenisation fails naming the split, the rate and a row. null = no check (the rate is still
     # logged). Not counted for tokenizers without an unknown token (byte-level BPE).
-    max_unk_rate: Optional[float] = 0.01
-    num_proc: int = 1
-    max_train_samples: Optional[int] = None
-    max_eval_samples: Optional[int] = None
+    max_unk_rate: Optional[float] = ranged(0.01, ge=0, le=1)
+    num_proc: int = ranged(1, ge=1)
+    # The first N rows of a split; null = all.
+    max_train_samples: Optional[int] = ranged(None, ge=1)
+    max_eval_samples: Optional[int] = ranged(None, ge=1)
     synthetic: SyntheticGSMConfig = field(default_factory=SyntheticGSMConfig)

@@ -16,10 +16,11 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from pardec.common.config_fields import check_config, ranged
 from pardec.common.errors import ConfigError
 from pardec.data_pipelines.config import DataConfig
 from pardec.inference.decoders.registry import decoder_config
-from pardec.models.loading import check_attn_implementation
+from pardec.models.loading import DType, check_attn_implementation
 
 
 @dataclass
@@ -34,7 +35,7 @@ class ValidateConfig:
     # auto = the local rank's GPU if any, else cpu.
     device: str = "auto"
     # auto = bfloat16 on GPU, float32 on CPU.
-    dtype: str = "auto"
+    dtype: DType = DType.auto
     # auto = the checkpoint's default (sdpa); or eager, or any attention registered with transformers'
     # AttentionInterface (sdpa, flash_attention_2, flex_attention, a custom function, ...).
     attn_implementation: str = "auto"
@@ -42,7 +43,7 @@ class ValidateConfig:
     add_bos: bool = False
     # Also decode with AR greedy to measure token agreement (skipped for AR greedy itself).
     agreement: bool = True
-    reference_batch_size: int = 1
+    reference_batch_size: int = ranged(1, ge=1)
     progress: bool = True
 
 
@@ -63,13 +64,6 @@ def validate_validate_config(cfg: DictConfig) -> DictConfig:
     OmegaConf.set_struct(merged, False)
     merged.decoder = OmegaConf.structured(decoder_config(decoder_raw))
     OmegaConf.set_struct(merged, True)
-    for key, allowed in {
-        "data.template": ("plain", "chat"),
-        "dtype": ("auto", "float32", "bfloat16", "float16"),
-    }.items():
-        if OmegaConf.select(merged, key) not in allowed:
-            raise ConfigError(f"config key '{key}' = {OmegaConf.select(merged, key)!r}; expected one of {allowed}")
+    check_config(merged)
     check_attn_implementation(merged.attn_implementation, "attn_implementation")
-    if merged.reference_batch_size < 1:
-        raise ConfigError(f"config key 'reference_batch_size' must be >= 1, got {merged.reference_batch_size}")
     return merged

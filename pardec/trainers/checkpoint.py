@@ -63,6 +63,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pardec.common.config_fields import Choice
 from pardec.common.distributed import barrier
 from pardec.common.errors import CheckpointError, ConfigError
 
@@ -78,7 +79,15 @@ _TAG = re.compile(r"step-(\d{8})")
 # What a previous run leaves in an output directory (moved by trainer.on_existing=archive).
 RUN_STATE = ("checkpoints", "stages", "hf", "DONE", "PREEMPTED", "metrics.jsonl", "metrics.dropped.jsonl",
              "config.yaml", "deepspeed_config.json")
-ON_EXISTING = ("refuse", "archive", "delete")
+
+
+class OnExisting(Choice):
+    """``trainer.on_existing``: what a fresh start does with a previous run (:func:`clear_prior_state`)."""
+
+    refuse = "refuse"
+    archive = "archive"
+    delete = "delete"
+
 
 T = TypeVar("T")
 
@@ -395,8 +404,7 @@ def clear_prior_state(output_dir: Path, on_existing: str, why: str) -> str | Non
     found = prior_run_state(output_dir)
     if not found:
         return None
-    if on_existing not in ON_EXISTING:
-        raise ConfigError(f"config key 'trainer.on_existing' = {on_existing!r}; expected one of {ON_EXISTING}")
+    on_existing = OnExisting(on_existing)
     if on_existing == "refuse":
         shown = ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
         raise ConfigError(

@@ -16,9 +16,11 @@ from typing import Any, Dict, List, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from pardec.common.config_fields import Choice, check_config, ranged
 from pardec.common.errors import ConfigError
 from pardec.data_pipelines.config import DataConfig
-from pardec.models.loading import check_attn_implementation
+from pardec.models.loading import DType, check_attn_implementation
+from pardec.trainers.checkpoint import OnExisting
 
 
 @dataclass
@@ -32,7 +34,7 @@ class ModelConfig:
     # auto = flex_attention/flash_attention_2 on GPU when the method needs it, sdpa on CPU.
     attn_implementation: str = "auto"
     # auto = bf16 on GPU, fp32 on CPU.
-    dtype: str = "auto"
+    dtype: DType = DType.auto
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
     # attn_implementation=pardec_flex only: FlexAttention kernel_options (e.g. {BLOCK_M: 128, BLOCK_N: 64})
@@ -46,55 +48,74 @@ class ModelConfig:
     flex_repeat_kv: bool = False
 
 
+class LRSchedule(Choice):
+    """``trainer.schedule``, each after linear warmup (``pardec.trainers.schedule``)."""
+
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
 @dataclass
 class TrainerConfig:
-    micro_batch_size: int = 8
-    grad_accum: int = 1
-    lr: float = 3e-4
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.0
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    # cosine | linear | constant, each after linear warmup
-    schedule: str = "cosine"
-    warmup_steps: int = 0
-    warmup_ratio: float = 0.0
-    max_steps: int = 100
-    clip_grad: float = 1.0
-    seed: int = 0
-    log_every: int = 10
-    save_every: int = 0
-    export_every: int = 0
-    keep_checkpoints: int = 2
+    micro_batch_size: int = ranged(8, ge=1)
+    grad_accum: int = ranged(1, ge=1)
+    lr: float = ranged(3e-4, gt=0)
+    # The learning rate decays to min_lr_ratio * lr.
+    min_lr_ratio: float = ranged(0.0, ge=0, le=1)
+    weight_decay: float = ranged(0.0, ge=0)
+    betas: List[float] = ranged(default_factory=lambda: [0.9, 0.95], ge=0, lt=1)
+    eps: float = ranged(1e-8, gt=0)
+    schedule: LRSchedule = LRSchedule.cosine
+    warmup_steps: int = ranged(0, ge=0)
+    warmup_ratio: float = ranged(0.0, ge=0, le=1)
+    max_steps: int = ranged(100, ge=1)
+    # Gradient-norm clipping (DeepSpeed's gradient_clipping); 0 = off.
+    clip_grad: float = ranged(1.0, ge=0, note="0 = off")
+    seed: int = ranged(0, ge=0)
+    log_every: int = ranged(10, ge=1)
+    # Checkpoint / export (hf-step-*) every N optimiser steps; 0 = off (the final ones are always written).
+    save_every: int = ranged(0, ge=0, note="0 = off")
+    export_every: int = ranged(0, ge=0, note="0 = off")
+    # Checkpoints kept by pruning; 0 = keep every one.
+    keep_checkpoints: int = ranged(2, ge=0, note="0 = keep all")
     # auto: resume from output_dir/checkpoints if one exists; never; or a checkpoint directory.
     resume: str = "auto"
     # A fresh start (resume=never, or auto with nothing to resume) in an output_dir holding a
     # previous run's checkpoints/exports: refuse (naming them) | archive (move them to
     # output_dir/archive/<time>/) | delete.
-    on_existing: str = "refuse"
+    on_existing: OnExisting = OnExisting.refuse
     # Stop (with a checkpoint) after this many optimiser steps in this process; for tests and
     # preemption drills. null = run to max_steps.
-    stop_after_steps: Optional[int] = None
-    num_workers: int = 0
+    stop_after_steps: Optional[int] = ranged(None, ge=1)
+    num_workers: int = ranged(0, ge=0)
+    # Resume even though the training data or tokenizer differ from what the checkpoint records
+    # (pardec.trainers.fingerprint): the change is logged. false = such a resume is refused.
+    allow_data_change: bool = False
 
 
 @dataclass
 class DeepSpeedConfig:
-    stage: int = 0
+    # ZeRO stage; 0 = plain data parallel.
+    stage: int = ranged(0, ge=0, le=3)
     offload_optimizer: bool = False
     offload_param: bool = False
     overlap_comm: bool = False
     contiguous_gradients: bool = True
-    reduce_bucket_size: int = 50_000_000
+    reduce_bucket_size: int = ranged(50_000_000, ge=1)
     stage3_gather_16bit_weights_on_model_save: bool = True
     # Extra keys merged verbatim into the generated DeepSpeed JSON (advanced).
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
+class LoggingBackend(Choice):
+    wandb = "wandb"
+    none = "none"
+
+
 @dataclass
 class LoggingConfig:
-    # wandb | none
-    backend: str = "wandb"
+    backend: LoggingBackend = LoggingBackend.wandb
     # offline by default; online needs WANDB_API_KEY and network.
     wandb_mode: str = "offline"
     project: str = "pardec"
@@ -106,12 +127,12 @@ class LoggingConfig:
 @dataclass
 class EvalConfig:
     # Evaluate every N optimiser steps (0 = only at the end when at_end).
-    every: int = 0
+    every: int = ranged(0, ge=0, note="0 = only at the end")
     at_end: bool = True
-    num_samples: int = 64
+    num_samples: int = ranged(64, ge=1)
     decoder: str = "ar"
-    max_new_tokens: int = 128
-    batch_size: int = 16
+    max_new_tokens: int = ranged(128, ge=1)
+    batch_size: int = ranged(16, ge=1)
 
 
 @dataclass
@@ -158,6 +179,7 @@ def validate_train_config(cfg: DictConfig) -> DictConfig:
     OmegaConf.set_struct(merged, False)
     merged.recipe = recipe_node
     OmegaConf.set_struct(merged, True)
+    check_config(merged)
     _check_values(merged)
     _check_stages(merged)
     _check_model_config(merged)
@@ -175,32 +197,13 @@ def _describe(err: OmegaConfBaseException) -> str:
 
 
 def _check_values(cfg: DictConfig) -> None:
-    choices = {
-        "data.source": ("synthetic", "files", "hub"),
-        "data.template": ("plain", "chat"),
-        "data.length_policy": ("truncate", "drop", "error"),
-        "trainer.schedule": ("cosine", "linear", "constant"),
-        "logging.backend": ("wandb", "none"),
-        "model.dtype": ("auto", "float32", "bfloat16", "float16"),
-        "trainer.on_existing": ("refuse", "archive", "delete"),
-    }
-    for key, allowed in choices.items():
-        value = OmegaConf.select(cfg, key)
-        if value not in allowed:
-            raise ConfigError(f"config key '{key}' = {value!r}; expected one of {allowed}")
+    """What the field types and ranges (``check_config``) cannot say."""
     check_attn_implementation(cfg.model.attn_implementation, "model.attn_implementation")
-    if cfg.deepspeed.stage not in (0, 1, 2, 3):
-        raise ConfigError(f"config key 'deepspeed.stage' = {cfg.deepspeed.stage}; expected 0, 1, 2 or 3")
     if cfg.model.path is None and cfg.model.config is None:
         raise ConfigError("set 'model.path' (a local HF checkpoint) or 'model.config' (a tiny model), e.g. model=tiny_qwen3")
-    for key in ("trainer.micro_batch_size", "trainer.grad_accum", "trainer.max_steps", "data.max_length"):
-        if OmegaConf.select(cfg, key) < 1:
-            raise ConfigError(f"config key '{key}' must be >= 1, got {OmegaConf.select(cfg, key)}")
-    betas = list(cfg.trainer.betas)
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ConfigError(f"config key 'trainer.betas' = {betas}; expected two values in [0, 1), e.g. [0.9, 0.95]")
-    if cfg.trainer.stop_after_steps is not None and cfg.trainer.stop_after_steps < 1:
-        raise ConfigError(f"config key 'trainer.stop_after_steps' must be >= 1 or null, got {cfg.trainer.stop_after_steps}")
+    if len(cfg.trainer.betas) != 2:
+        raise ConfigError(f"config key 'trainer.betas' = {list(cfg.trainer.betas)}; expected two values in [0, 1), "
+                          "e.g. [0.9, 0.95]")
 
 
 STAGE_KEYS = ("name", "max_steps", "overrides")
@@ -227,6 +230,10 @@ def _check_stages(cfg: DictConfig) -> None:
                 OmegaConf.update(recipe, key, value, merge=True)
             except OmegaConfBaseException as err:
                 raise ConfigError(f"config key '{where}.overrides.{key}': {_describe(err)}") from None
+        try:
+            check_config(recipe, "recipe")
+        except ConfigError as err:
+            raise ConfigError(f"{where} ({stage.get('name', i)!r}): {err}") from None
 
 
 def _check_model_config(cfg: DictConfig) -> None:
@@ -286,6 +293,7 @@ SAFE_TO_CHANGE_ON_RESUME = (
     "trainer.export_every",
     "trainer.keep_checkpoints",
     "trainer.num_workers",
+    "trainer.allow_data_change",  # the data check itself (pardec.trainers.fingerprint)
     "model.gradient_checkpointing",
     "model.attn_implementation",
     "model.flex_kernel_options",
@@ -334,7 +342,7 @@ def check_resume_config(saved_file: Path, cfg: DictConfig, what: str) -> list[st
     if not saved_file.is_file():
         return [f"{saved_file} is missing (written before configs were saved): settings not compared"]
     saved = OmegaConf.to_container(OmegaConf.load(saved_file), resolve=True)
-    applied, refused = resume_changes(saved, OmegaConf.to_container(cfg, resolve=True))
+    applied, refused = resume_changes(saved, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
     if refused:
         raise ConfigError(
             f"resuming {what} with changed settings ({saved_file} records what it was trained with): "
