@@ -12,12 +12,13 @@ import re
 import shutil
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
 from hydra.errors import MissingConfigException
 
-from pardec.common.errors import CheckpointError, ConfigError
-from tests.train_utils import compose_train, exported_weights, run_in_process
+from pardec.common.errors import CheckpointError, ConfigError, DataError
+from tests.train_utils import FAST, compose_train, exported_weights, run_in_process
 from pardec.trainers import checkpoint as ckpt
 from pardec.trainers.config import resume_changes
 from pardec.trainers.deepspeed_config import build_deepspeed_config
@@ -357,3 +358,47 @@ def test_latest_pointing_out_of_the_run_is_refused(tmp_path):
         ckpt.plan_resume(tmp_path / "mine", "auto", "refuse")
     (mine / "latest").unlink()  # repaired from this run's own checkpoints only, never the link
     assert ckpt.plan_resume(tmp_path / "mine", "auto", "refuse").path == mine / "step-00000002"
+
+
+def _write_rows(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps({"prompt": r["prompt"], "response": r["response"]}) + "\n" for r in rows))
+    return path
+
+
+def test_training_data_replaced_between_stop_and_resume_is_refused_or_announced(tmp_path, caplog):
+    """The same data file path with other rows: the resume refuses naming the file and the tokenized
+    set's change; trainer.allow_data_change=true continues and logs it."""
+    from pardec.data_pipelines.sources import load_raw_split
+
+    rows = load_raw_split(compose_train(FAST).data, "train")
+    data = _write_rows(tmp_path / "train.jsonl", rows.select(range(16)))
+    run = [f"output_dir={tmp_path / 'run'}", "data.source=files", f"data.train_files=[{data}]", "trainer.max_steps=4"]
+    assert run_in_process([*run, "trainer.stop_after_steps=2"]).status == "stopped"
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step-00000002" / ckpt.STATE_FILE).read_text())
+    assert state["fingerprint"]["data"]["files"][str(data)]["size"] == data.stat().st_size
+
+    _write_rows(data, rows.select(range(16, 32)))
+    with pytest.raises(DataError, match=rf"data file {re.escape(str(data))} changed.*tokenized training set changed"
+                                        r".*trainer\.allow_data_change=true"):
+        run_in_process(run)
+    with caplog.at_level(logging.WARNING):
+        assert run_in_process([*run, "trainer.allow_data_change=true"]).step == 4
+    assert "trainer.allow_data_change=true: resuming" in caplog.text and str(data) in caplog.text
+
+
+def test_fingerprint_names_a_changed_tokenizer_and_skips_old_checkpoints():
+    from pardec.trainers.fingerprint import check_fingerprint, run_fingerprint, tokenizer_fingerprint
+    from tests.conftest import data_cfg, tiny_tokenizer
+
+    tokenized = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5]], "prompt_len": [1, 1], "length": [3, 2]})
+    tok = tiny_tokenizer()
+    before = run_fingerprint(data_cfg(), tokenized, tokenizer_fingerprint(tok))
+    tok.add_special_tokens({"additional_special_tokens": ["<|new|>"]})
+    after = run_fingerprint(data_cfg(), tokenized, tokenizer_fingerprint(tok))
+    with pytest.raises(DataError, match=r"the tokenizer changed \(24 -> 25 tokens"):
+        check_fingerprint({"fingerprint": before}, after, False, "ckpt")
+    assert check_fingerprint({"fingerprint": before}, before, False, "ckpt") == []
+    assert "not compared" in check_fingerprint({}, after, False, "ckpt")[0]  # written before fingerprints
+    dropped = run_fingerprint(data_cfg(), tokenized.select([0]), tokenizer_fingerprint(tok))
+    with pytest.raises(DataError, match=r"tokenized training set changed \(2 -> 1 rows, 5 -> 3 tokens"):
+        check_fingerprint({"fingerprint": after}, dropped, False, "ckpt")

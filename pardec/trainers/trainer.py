@@ -46,6 +46,7 @@ from pardec.trainers.checkpoint import (
     plan_resume,
     read_latest,
     run_on_main,
+    read_state,
     save_training_state,
     tag_for,
 )
@@ -55,6 +56,7 @@ from pardec.trainers.deepspeed_config import build_deepspeed_config
 from pardec.trainers.export import export_hf
 from pardec.trainers.extension_builds import guarded_extension_builds
 from pardec.trainers.metrics_logger import MetricsLogger
+from pardec.trainers.fingerprint import KEY as FINGERPRINT, check_fingerprint, run_fingerprint, tokenizer_fingerprint
 from pardec.trainers.preemption import PREEMPTED_MARKER, PreemptionWatch
 from pardec.trainers.run_lock import RunLock
 from pardec.trainers.schedule import build_scheduler
@@ -221,6 +223,17 @@ def _plan(cfg: DictConfig, run_dir: Path):
 
 
 def train_stage(cfg: DictConfig, dist_info: DistInfo, stop_dir: Path | None = None) -> StageResult:
+def _fingerprint(cfg: DictConfig, resume_dir: Path | None, tokenized, tokenizer_print: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0: the fingerprint of this stage's data and tokenizer, which every checkpoint records; a
+    resume on other data refuses, naming the change, unless ``trainer.allow_data_change`` (logged)."""
+    current = run_fingerprint(cfg.data, tokenized, tokenizer_print)
+    if resume_dir is not None:
+        for note in check_fingerprint(read_state(resume_dir) or {}, current, cfg.trainer.allow_data_change,
+                                      str(resume_dir)):
+            log.warning(note)
+    return current
+
+
     """Train one stage in ``cfg.output_dir``. Besides that directory's stop file, the one in ``stop_dir`` (the
     recipe's output directory, where ``scripts/slurm/train.sbatch`` creates it) stops the stage."""
     import deepspeed
@@ -241,6 +254,7 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo, stop_dir: Path | None = No
     # 1. tokenizer, method and data (rank 0 first, so the datasets cache is written once)
     tokenizer = load_tokenizer(cfg.model, cfg.data)
     method = build_method(cfg.recipe, tokenizer)
+    tokenizer_print = tokenizer_fingerprint(tokenizer)  # as loaded, before a recipe adds <|mask|>
     check_max_positions(cfg.model, *method.max_positions(cfg.data))  # before any data work
     attn_impl = resolve_attn_implementation(cfg.model.attn_implementation, on_gpu, method.needs_custom_mask)
     configure_flex_attention(cfg.model, attn_impl)
@@ -251,6 +265,7 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo, stop_dir: Path | None = No
     if dist_info.is_main:
         barrier()
 
+    fingerprint = run_on_main(lambda: _fingerprint(cfg, plan.path, tokenized, tokenizer_print), dist_info.is_main)
     # 2. model (partitioned at load time under ZeRO-3), method-specific changes, DeepSpeed engine
     hf_ds_config = None
     if cfg.deepspeed.stage == 3:
@@ -284,8 +299,8 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo, stop_dir: Path | None = No
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
 
     def checkpoint(step: int) -> None:
-        save_training_state(engine, ckpt_root, step, {"step": step, "wandb_run_id": logger.run_id, "lineage": plan.lineage},
-                        dist_info.rank, cfg.trainer.keep_checkpoints, config_yaml)
+        saved = {"step": step, "wandb_run_id": logger.run_id, "lineage": plan.lineage, FINGERPRINT: fingerprint}
+        save_training_state(engine, ckpt_root, step, saved, dist_info.rank, cfg.trainer.keep_checkpoints, config_yaml)
 
     eval_rows = _eval_rows(cfg) if (cfg.eval.every or cfg.eval.at_end) else None
 
