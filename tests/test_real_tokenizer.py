@@ -15,7 +15,10 @@ import torch
 from pardec.common.constants import MASK_TOKEN
 from pardec.common.metadata import CheckpointMetadata
 from pardec.data_pipelines.sources import load_raw_split
-from pardec.data_pipelines.tokenize import end_of_turn_token_id, stop_token_ids, tokenize_dataset
+from pardec.common.errors import DataError
+from pardec.data_pipelines.tokenize import (
+    end_of_turn_token_id, format_prompt_ids, resolve_template, stop_token_ids, tokenize_dataset,
+)
 from pardec.inference.evaluate import evaluate
 from pardec.methods.registry import _RECIPES, build_method
 from pardec.models.loading import add_mask_token, load_model, load_tokenizer
@@ -46,6 +49,17 @@ def test_end_of_turn_is_read_off_the_chat_template():
     assert stop_token_ids(tok) == {tok.eos_token_id, im_end}
     assert end_of_turn_token_id(tiny_tokenizer()) is None  # no chat template: EOS alone
     assert stop_token_ids(tiny_tokenizer()) == {tiny_tokenizer().eos_token_id}
+
+
+def test_template_auto_is_chat_for_a_chat_tokenizer_and_plain_otherwise():
+    chat, plain = chat_bpe_tokenizer(), tiny_tokenizer()
+    assert resolve_template(chat, "auto") == "chat" and resolve_template(plain, "auto") == "plain"
+    prompt = "Question: what is 1 plus 2 ? Answer:"
+    assert format_prompt_ids(chat, prompt, "auto") == chat.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert format_prompt_ids(plain, prompt, "auto") == plain(prompt, add_special_tokens=False)["input_ids"]
+    with pytest.raises(DataError, match="data.template=chat"):
+        format_prompt_ids(plain, prompt, "chat")
 
 
 def test_mask_token_is_added_resized_tied_and_survives_export(chat_ckpt, tmp_path):

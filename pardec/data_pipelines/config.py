@@ -20,8 +20,11 @@ class DataSource(Choice):
 
 
 class Template(Choice):
-    """plain: prompt + response concatenated as is; chat: the tokenizer's chat template."""
+    """plain: prompt + response concatenated as is; chat: the tokenizer's chat template; auto: chat
+    when the tokenizer has a chat template (a chat model), else plain
+    (``pardec.data_pipelines.tokenize.resolve_template``)."""
 
+    auto = "auto"
     plain = "plain"
     chat = "chat"
 
@@ -45,7 +48,7 @@ class DataConfig:
     eval_split: str = "test"
     prompt_field: str = "prompt"
     response_field: str = "response"
-    template: Template = Template.plain
+    template: Template = Template.auto
     max_length: int = ranged(512, ge=1)
     length_policy: LengthPolicy = LengthPolicy.truncate
     packing: bool = True

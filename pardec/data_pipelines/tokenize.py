@@ -72,8 +72,21 @@ def stop_token_ids(tokenizer, generation_config=None) -> set[int]:
     return ids
 
 
+def resolve_template(tokenizer, template: str) -> str:
+    """``data.template`` for this tokenizer: ``auto`` is ``chat`` when it has a chat template (chat
+    models are trained and prompted through it), else ``plain``; ``chat`` without a chat template is
+    refused naming the key."""
+    if template == "auto":
+        return "chat" if getattr(tokenizer, "chat_template", None) else "plain"
+    if template == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise DataError("data.template=chat but the tokenizer has no chat template; set data.template=plain "
+                        "(or auto, which picks plain for it)")
+    return str(template)
+
+
 def format_prompt_ids(tokenizer, prompt: str, template: str) -> list[int]:
     """Prompt token ids exactly as training saw them (validation reuses this)."""
+    template = resolve_template(tokenizer, template)
     if template == "plain":
         return tokenizer(prompt, add_special_tokens=False)["input_ids"]
     return list(tokenizer.apply_chat_template(
@@ -82,6 +95,7 @@ def format_prompt_ids(tokenizer, prompt: str, template: str) -> list[int]:
 
 
 def _encode(tokenizer, prompt: str, response: str, template: str) -> tuple[list[int], int]:
+    template = resolve_template(tokenizer, template)
     prompt_ids = format_prompt_ids(tokenizer, prompt, template)
     if template == "plain":
         response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -101,7 +115,7 @@ def tokenize_dataset(
     if tokenizer.eos_token_id is None:
         raise DataError("the tokenizer has no eos token; every sample must end with one")
     check_responses(raw, data_cfg, split, require_responses)
-    template = data_cfg.template
+    template = resolve_template(tokenizer, data_cfg.template)
     max_length = data_cfg.max_length
 
     def encode_batch(batch):

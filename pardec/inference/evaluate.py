@@ -31,7 +31,7 @@ from pardec.common.distributed import DistInfo, current
 from pardec.common.errors import DataError
 from pardec.common.kv_cache import cached_step_attention
 from pardec.common.metadata import CheckpointMetadata
-from pardec.data_pipelines.tokenize import format_prompt_ids, stop_token_ids
+from pardec.data_pipelines.tokenize import format_prompt_ids, resolve_template, stop_token_ids
 from pardec.inference.checkpoint import forbid_output_token
 from pardec.inference.decoders.ar import ARDecoder, ARDecoderConfig
 from pardec.inference.decoders.base import Decoder, DecoderConfig
@@ -86,8 +86,7 @@ def evaluate(
     """
     decoder = build_decoder(decoder_cfg, tokenizer)
     decoder.use_auxiliary(auxiliary or {})
-    if template == "chat" and not tokenizer.chat_template:
-        raise DataError("data.template=chat but the tokenizer has no chat template; use data.template=plain")
+    template = resolve_template(tokenizer, template)  # a chat template the tokenizer lacks is named here
     ctx = current() if shard else DistInfo()
     indices = shard_indices(len(eval_dataset), ctx)
     rows = [eval_dataset[i] for i in indices]
@@ -160,6 +159,7 @@ def run_decoder(
 
 
 def encode_prompt(tokenizer, prompt: str, template: str, add_bos: bool, index: int) -> list[int]:
+    template = resolve_template(tokenizer, template)
     ids = format_prompt_ids(tokenizer, prompt, template)
     bos = tokenizer.bos_token_id
     if add_bos and template == "plain" and bos is not None and ids[:1] != [bos]:
