@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bash scripts/reproduce.sh [--only STEP ...] [--dry-run]
-# Sets up .venv (as the quick start does), then runs every conversion and benchmark of the README in
+# Sets up .venv (as the quick start does), then runs every conversion and benchmark of docs/results/ in
 # order (pardec/cli/reproduce.py); re-running skips finished steps and resumes an interrupted one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
