@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # bash scripts/reproduce.sh [--only STEP ...] [--dry-run]
-# Sets up .venv (as the quick start does), then runs every conversion and benchmark of docs/results/ in
-# order (pardec/cli/reproduce.py); re-running skips finished steps and resumes an interrupted one.
+# Sets up .venv (as the quick start does), then runs the embedded default's conversions, their CPU
+# benchmarks and the summary (docs/results/summary.md) in order (pardec/cli/reproduce.py); re-running
+# skips finished steps and resumes an interrupted one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
