@@ -9,7 +9,8 @@ Examples:
 
 Writes ``metrics.json`` (metrics + the resolved config), ``metrics.md`` (the printed table) and
 ``samples.jsonl`` (one record per eval sample, sorted by index) into ``output_dir`` (default
-``<checkpoint>/eval/<decoder choice>/``). Under torchrun each rank decodes a strided shard; only
+``<checkpoint>/eval/<decoder choice>/``); results written there also go into the checkpoint's model card
+(``README.md``, :mod:`pardec.common.model_card`). Under torchrun each rank decodes a strided shard; only
 rank 0 prints and writes. Hydra itself writes nothing (see ``pardec/recipes/validate.yaml``).
 """
 
@@ -26,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pardec.common.distributed import init_distributed, shutdown
 from pardec.common.errors import CheckpointError, ConfigError, DataError
+from pardec.common.model_card import EVAL_DIR, write_model_card
 from pardec.data_pipelines.sources import load_raw_split
 from pardec.data_pipelines.tokenize import check_prompt_unknown_rate
 from pardec.inference.checkpoint import load_checkpoint
@@ -77,6 +79,9 @@ def validate(cfg: DictConfig) -> None:
     print(table)
     write_outputs(out_dir, result.metrics, result.records, cfg, ctx.world_size, table)
     print(f"wrote {out_dir}/metrics.json, metrics.md, samples.jsonl")
+    if out_dir.resolve().parent == (Path(cfg.checkpoint) / EVAL_DIR).resolve():
+        card = write_model_card(cfg.checkpoint)
+        print(f"updated the model card {card}" if card else "the checkpoint's README.md is not pardec's: left as is")
 
 
 def write_outputs(out_dir: Path, metrics: dict, records: list[dict], cfg: DictConfig, world_size: int, table: str) -> None:

@@ -9,6 +9,10 @@ unknown key, a wrong type or an out-of-range value with a :class:`pardec.common.
 naming the file and the key. Decoders take their defaults from it (ISD stride, Jacobi block size,
 ReFusion slot size, the MDM's attention and shift convention) instead of guessing.
 
+Provenance fields (``base_model``, ``command``, ``license``, ``source``) say where the weights came from;
+the model card (:mod:`pardec.common.model_card`) shows them. An export inherits them from the checkpoint
+it was trained from, and the trainer overwrites ``base_model`` and ``command`` with its own.
+
 A plain AR checkpoint (never converted) has no record: every field is ``None``.
 """
 
@@ -18,12 +22,14 @@ import dataclasses
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from pardec.common.constants import METADATA_KEY
 from pardec.common.errors import CheckpointError
 
 ATTENTION_KINDS = ("causal", "bidirectional", "block")
+# What ``source`` may record about an imported checkpoint (pardec.cli.import_model writes it).
+SOURCE_KEYS = ("package", "version", "file", "wheel_sha256", "gguf_sha256", "conversion")
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,14 @@ class CheckpointMetadata:
     attention_block_size: Optional[int] = None
     # ... and the logit-shift convention: True = the output at position i predicts token i + 1.
     logit_shift: Optional[bool] = None
+    # Provenance: the checkpoint the export was made from (a Hugging Face Hub id or a directory) ...
+    base_model: Optional[str] = None
+    # ... the command that made it (``pardec-train experiment=...``, ``pardec-import ...``) ...
+    command: Optional[str] = None
+    # ... the weights' license (a Hub license id such as apache-2.0), carried over from the base ...
+    license: Optional[str] = None
+    # ... and for an imported checkpoint where its weights came from: SOURCE_KEYS -> strings.
+    source: Optional[Dict[str, str]] = None
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -107,7 +121,7 @@ class CheckpointMetadata:
         def bad(key: str, expected: str) -> CheckpointError:
             return CheckpointError(f"{where}: '{METADATA_KEY}.{key}' = {getattr(self, key)!r}; expected {expected}")
 
-        for key in ("recipe", "gated_lora_adapter", "attention"):
+        for key in ("recipe", "gated_lora_adapter", "attention", "base_model", "command", "license"):
             value = getattr(self, key)
             if value is not None and not isinstance(value, str):
                 raise bad(key, "a string")
@@ -118,6 +132,12 @@ class CheckpointMetadata:
                 raise bad(key, f"an integer >= {low}")
         if self.logit_shift is not None and not isinstance(self.logit_shift, bool):
             raise bad("logit_shift", "true or false")
+        if self.source is not None and (
+            not isinstance(self.source, Mapping)
+            or not set(self.source) <= set(SOURCE_KEYS)
+            or not all(isinstance(v, str) for v in self.source.values())
+        ):
+            raise bad("source", f"a mapping of {list(SOURCE_KEYS)} to strings")
         if self.attention is not None and self.attention not in ATTENTION_KINDS:
             raise bad("attention", f"one of {ATTENTION_KINDS}")
         if self.attention == "block" and self.attention_block_size is None:

@@ -1,4 +1,4 @@
-"""Hugging Face export (``save_pretrained`` + tokenizer), gathering ZeRO-3 partitions first.
+"""Hugging Face export (``save_pretrained`` + tokenizer + model card), gathering ZeRO-3 partitions first.
 
 Written to ``<dir>.tmp`` by rank 0 and renamed, so a reader never sees a half-written export. A
 ZeRO-3 model's local parameters are empty placeholders; exporting them without gathering gives the
@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from pardec.common.distributed import barrier
+from pardec.common.model_card import write_model_card
 
 
 def _gathered(module, zero_stage: int):
@@ -50,6 +51,7 @@ def export_hf(module, tokenizer, out_dir: Path, zero_stage: int, rank: int) -> P
         shutil.rmtree(tmp, ignore_errors=True)
         module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        write_model_card(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
