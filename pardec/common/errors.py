@@ -19,3 +19,13 @@ class DataError(PardecError, ValueError):
 class CheckpointError(PardecError, RuntimeError):
     """A checkpoint (training state or HF export) is missing, unreadable or inconsistent; the
     message names the file or the metadata key."""
+
+
+class ChecksumError(PardecError, ValueError):
+    """A file's sha256 is not the one recorded for it; the message names the file, the expected and the
+    actual digest."""
+
+
+class UnsupportedModelError(CheckpointError):
+    """A checkpoint of an architecture the installed transformers cannot read (e.g. a GGUF file of an
+    architecture it has no converter for); the message names the file and the architecture."""
