@@ -40,7 +40,7 @@ class Choice(str, enum.Enum):
 
     def __init__(self, value: str):
         if self.name != value:
-            raise TypeError(f"{type(self).__name__}.{self.name} = {value!r}: a Choice member must be named by its value")
+            raise TypeError(f"{type(self).__name__}.{self.name} = {value!r}: name a Choice member by its value")
 
     def __str__(self) -> str:
         return self.value

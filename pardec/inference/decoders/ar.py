@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pardec.common.config_fields import ranged
 from pardec.inference.decoders.base import Decoder, DecoderConfig, DecodeResult, LoopTimer, left_pad, model_device, prefill
 from pardec.inference.decoders.sampling import SamplingParams, make_generators, select_tokens
 
@@ -27,9 +28,9 @@ from pardec.inference.decoders.sampling import SamplingParams, make_generators, 
 class ARDecoderConfig(DecoderConfig):
     name: str = "ar"
     greedy: bool = True
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
+    temperature: float = ranged(1.0, gt=0)
+    top_k: int = ranged(0, ge=0, note="0 = off")
+    top_p: float = ranged(1.0, gt=0, le=1, note="1 = off")
 
 
 class ARDecoder(Decoder):
@@ -38,7 +39,6 @@ class ARDecoder(Decoder):
     def __init__(self, cfg: ARDecoderConfig, tokenizer):
         super().__init__(cfg, tokenizer)
         self.sampling = SamplingParams(cfg.greedy, cfg.temperature, cfg.top_k, cfg.top_p)
-        self.sampling.check()
 
     @property
     def is_ar_greedy(self) -> bool:

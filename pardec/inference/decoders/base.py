@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from pardec.common.config_fields import check_config, ranged
 from pardec.common.errors import ConfigError
 
 
@@ -59,11 +60,11 @@ class DecoderConfig:
 
     # Registry name (``pardec.inference.decoders.registry``): ar, ...
     name: str = "ar"
-    max_new_tokens: int = 256
+    max_new_tokens: int = ranged(256, ge=1)
     # Prompts per ``decode`` call; per-sample decoders receive the chunk and loop over it.
-    batch_size: int = 1
+    batch_size: int = ranged(1, ge=1)
     # Sampling seed; sample i uses a generator seeded from (seed, i), independent of sharding.
-    seed: int = 0
+    seed: int = ranged(0, ge=0)
 
 
 @dataclass
@@ -83,10 +84,7 @@ class Decoder(ABC):
     auxiliary_fields: tuple[str, ...] = ()
 
     def __init__(self, cfg: DecoderConfig, tokenizer):
-        if cfg.max_new_tokens < 1:
-            raise ConfigError(f"decoder.max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
-        if cfg.batch_size < 1:
-            raise ConfigError(f"decoder.batch_size must be >= 1, got {cfg.batch_size}")
+        check_config(cfg, "decoder")  # every declared range and choice of the decoder's config
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.auxiliary: dict[str, Any] = {}

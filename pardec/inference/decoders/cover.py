@@ -81,7 +81,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pardec.common.errors import ConfigError
+from pardec.common.config_fields import Choice, ranged
 from pardec.inference.decoders.base import DecodeResult, LoopTimer, model_device
 from pardec.inference.decoders.mdm_common import (
     REMASK,
@@ -96,25 +96,32 @@ from pardec.models.bidirectional import non_causal
 from pardec.models.kv_override import KV_OVERRIDE, OTHERS, VERIFIERS, KVOverrideStep, register
 
 KEEP = "keep"
-SEED_INPUTS = ("mask", "token")
+
+
+class SeedInput(Choice):
+    """What a seed is fed with under the override (see ``CoverConfig.seed_input``)."""
+
+    mask = "mask"
+    token = "token"
+
 
 
 @dataclass
 class CoverConfig(MDMDecoderConfig):
     name: str = "cover"
     # tau_draft: drafting threshold (strict >) and the Replace threshold (paper: 0.7 | 0.8 | 0.9).
-    draft_threshold: float = 0.8
+    draft_threshold: float = ranged(0.8, ge=0, lt=1)
     # B: at most this many positions drafted per step (paper: 15).
-    draft_budget: int = 15
+    draft_budget: int = ranged(15, ge=1)
     # M_remask: revisions (ReMask + Replace) a position may receive; at the budget it is no seed (paper: ~5).
-    max_revisions: int = 5
+    max_revisions: int = ranged(5, ge=0)
     # false: the "w/o kv" ablation (seeds re-masked, no K/V injection, no correction).
     override: bool = True
     # With override: "token" (the mirror, beyond the paper; chosen on val: see the README) feeds the
     # seeds' tokens and shows only each seed's verifying row mask-derived K/V (from the last forward
     # that fed the seed a mask); "mask" (the paper) feeds the seeds masked and shows every other
     # query their previous-forward K/V.
-    seed_input: str = "token"
+    seed_input: SeedInput = SeedInput.token
 
 
 # -- the step rules, on one block's tensors (tested on hand-built tables) ---------------------------
@@ -213,14 +220,6 @@ class CoverDecoder(MDMDecoder):
 
     def __init__(self, cfg: CoverConfig, tokenizer):
         super().__init__(cfg, tokenizer)
-        if not 0 <= cfg.draft_threshold < 1:
-            raise ConfigError(f"config key 'decoder.draft_threshold' must be in [0, 1), got {cfg.draft_threshold}")
-        if cfg.draft_budget < 1:
-            raise ConfigError(f"config key 'decoder.draft_budget' must be >= 1, got {cfg.draft_budget}")
-        if cfg.max_revisions < 0:
-            raise ConfigError(f"config key 'decoder.max_revisions' must be >= 0, got {cfg.max_revisions}")
-        if cfg.seed_input not in SEED_INPUTS:
-            raise ConfigError(f"config key 'decoder.seed_input' = {cfg.seed_input!r}; expected one of {SEED_INPUTS}")
 
     @contextlib.contextmanager
     def prepare(self, model) -> Iterator[None]:

@@ -83,35 +83,41 @@ from typing import Any, Optional
 import torch
 from transformers import DynamicCache
 
+from pardec.common.config_fields import Choice, ranged
 from pardec.common.constants import METADATA_KEY
 from pardec.common.errors import ConfigError
 from pardec.common.kv_cache import crop_cache
 from pardec.common.metadata import CheckpointMetadata
 from pardec.inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device, prefill
-from pardec.inference.decoders.sampling import SamplingParams, probs_from_logits
+from pardec.inference.decoders.sampling import SamplingMode, SamplingParams, probs_from_logits
 from pardec.inference.isd_metrics import isd_summary
 from pardec.masks.core import AttentionSpec, additive_mask, dense_additive_mask, require_dense_attention
 from pardec.masks.idlm import X0, XT, idlm_mask
 from pardec.models.loading import mask_token_id
 
-MODES = ("greedy", "sample")
-DRAFT_MODES = ("sample", "argmax")
+
+
+class DraftMode(Choice):
+    """sample: drafts sampled from q (exact); argmax: "fast" argmax drafts, breaks the guarantee."""
+
+    sample = "sample"
+    argmax = "argmax"
+
 
 
 @dataclass
 class ISDDecoderConfig(DecoderConfig):
     name: str = "isd"
     # Stride N (one exact token + N-1 drafts per step); null = the checkpoint's pardec.isd_stride.
-    stride: Optional[int] = None
+    stride: Optional[int] = ranged(None, ge=2)
     # greedy (lossless w.r.t. AR greedy) | sample (p/q acceptance, exact w.r.t. AR sampling).
-    mode: str = "greedy"
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
+    mode: SamplingMode = SamplingMode.greedy
+    temperature: float = ranged(1.0, gt=0)
+    top_k: int = ranged(0, ge=0, note="0 = off")
+    top_p: float = ranged(1.0, gt=0, le=1, note="1 = off")
     # Relaxed acceptance min(1, (1 + tau) p/q); tau > 0 trades exactness for speed (sample mode).
-    tau: float = 0.0
-    # sample: drafts sampled from q (exact); argmax: "fast" argmax drafts, breaks the guarantee.
-    draft_mode: str = "sample"
+    tau: float = ranged(0.0, ge=0)
+    draft_mode: DraftMode = DraftMode.sample
 
 
 def resolve_stride(model, stride: int | None) -> int:
@@ -197,17 +203,8 @@ class ISDDecoder(PerSampleDecoder):
 
     def __init__(self, cfg: ISDDecoderConfig, tokenizer):
         super().__init__(cfg, tokenizer)
-        if cfg.mode not in MODES:
-            raise ConfigError(f"config key 'decoder.mode' = {cfg.mode!r}; expected one of {MODES}")
-        if cfg.draft_mode not in DRAFT_MODES:
-            raise ConfigError(f"config key 'decoder.draft_mode' = {cfg.draft_mode!r}; expected one of {DRAFT_MODES}")
-        if cfg.tau < 0:
-            raise ConfigError(f"config key 'decoder.tau' must be >= 0, got {cfg.tau}")
-        if cfg.stride is not None and cfg.stride < 2:
-            raise ConfigError(f"config key 'decoder.stride' = {cfg.stride}; ISD needs a stride N >= 2")
         self.greedy = cfg.mode == "greedy"
         self.sampling = SamplingParams(self.greedy, cfg.temperature, cfg.top_k, cfg.top_p)
-        self.sampling.check()
         if not self.distribution_exact:
             warnings.warn(
                 f"ISD sampling with draft_mode={cfg.draft_mode!r}, tau={cfg.tau}: outputs no longer follow the AR "

@@ -53,13 +53,21 @@ from typing import Optional
 import torch
 from transformers import DynamicCache
 
+from pardec.common.config_fields import Choice, ranged
 from pardec.common.constants import METADATA_KEY
 from pardec.common.errors import ConfigError
 from pardec.common.kv_cache import crop_cache
 from pardec.common.metadata import CheckpointMetadata
 from pardec.inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device, prefill
 
-DRAFT_INITS = ("context", "repeat")
+
+
+class DraftInit(Choice):
+    """context: uniform draws from prompt + committed tokens; repeat: repeat the preceding token."""
+
+    context = "context"
+    repeat = "repeat"
+
 
 
 @dataclass
@@ -67,16 +75,8 @@ class JacobiDecoderConfig(DecoderConfig):
     name: str = "jacobi"
     # n: output positions per block (= query tokens per forward at the start of a block);
     # null = the checkpoint's recorded jacobi_block_size (the n of its last training round).
-    block_size: Optional[int] = None
-    # "context": uniform draws from prompt + committed tokens; "repeat": repeat the preceding token.
-    draft_init: str = "context"
-
-
-def check_draft_config(block_size: int | None, draft_init: str) -> None:
-    if block_size is not None and block_size < 1:
-        raise ConfigError(f"decoder.block_size must be >= 1, got {block_size}")
-    if draft_init not in DRAFT_INITS:
-        raise ConfigError(f"decoder.draft_init must be one of {DRAFT_INITS}, got {draft_init!r}")
+    block_size: Optional[int] = ranged(None, ge=1)
+    draft_init: DraftInit = DraftInit.context
 
 
 def resolve_block_size(model, block_size: int | None) -> int:
@@ -132,7 +132,6 @@ class JacobiDecoder(PerSampleDecoder):
 
     def __init__(self, cfg: JacobiDecoderConfig, tokenizer):
         super().__init__(cfg, tokenizer)
-        check_draft_config(cfg.block_size, cfg.draft_init)
 
     @torch.inference_mode()
     def decode_one(self, model, prompt: list[int], eos_token_ids: Collection[int], seed: int) -> DecodeResult:

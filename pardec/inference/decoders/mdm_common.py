@@ -68,6 +68,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from pardec.common.config_fields import Choice, ranged
 from pardec.common.constants import METADATA_KEY
 from pardec.common.errors import CheckpointError, ConfigError
 from pardec.common.kv_cache import crop_cache
@@ -83,17 +84,24 @@ REPLACE, REMASK = "replace", "remask"
 DEFAULT_BLOCK_SIZE = 32
 
 
+class FreecacheMode(Choice):
+    """refresh: a finished block's K/V recomputed with its final tokens | freeze_last (official)."""
+
+    refresh = "refresh"
+    freeze_last = "freeze_last"
+
+
 @dataclass
 class MDMDecoderConfig(DecoderConfig):
     name: str = "mdm_lowconf"
     # The fixed generation length L (a multiple of block_size); output is cut after the first EOS.
-    max_new_tokens: int = 256
+    max_new_tokens: int = ranged(256, ge=1)
     # Semi-AR block size; null = the checkpoint's attention_block_size (block models), else 32.
-    block_size: int | None = None
+    block_size: int | None = ranged(None, ge=1)
     # FreeCache: freeze the K/V of blocks left of the current one (FlashDLM).
     freecache: bool = False
     # refresh (default: a finished block's K/V recomputed with its final tokens) | freeze_last (official)
-    freecache_mode: str = "refresh"
+    freecache_mode: FreecacheMode = FreecacheMode.refresh
 
 
 @dataclass(frozen=True)
@@ -138,12 +146,6 @@ class MDMDecoder(PerSampleDecoder):
         super().__init__(cfg, tokenizer)
         if cfg.freecache and self.no_freecache_reason:
             raise ConfigError(f"config key 'decoder.freecache' = true: {self.no_freecache_reason}; use freecache=false")
-        if cfg.block_size is not None and cfg.block_size < 1:
-            raise ConfigError(f"config key 'decoder.block_size' must be >= 1, got {cfg.block_size}")
-        if cfg.freecache_mode not in ("refresh", "freeze_last"):
-            raise ConfigError(
-                f"config key 'decoder.freecache_mode' = {cfg.freecache_mode!r}; expected refresh or freeze_last"
-            )
         self.kv_snapshots: list[dict[str, Any]] | None = None  # tests: set to [] to record frozen K/V
 
     @property

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from pardec.common.config_fields import Choice, ranged
 from pardec.common.constants import MASK_TOKEN, METADATA_KEY
 from pardec.common.errors import ConfigError
 from pardec.common.kv_cache import crop_cache
@@ -48,8 +49,17 @@ from pardec.common.metadata import CheckpointMetadata
 from pardec.inference.decoders.base import model_device, prefill
 from pardec.inference.decoders.mdm_common import BlockRun, MDMDecoder, MDMDecoderConfig
 
-COMMITS = ("assisted", "shifted")
-ACCEPTANCES = ("strict", "relaxed")
+
+
+class Commit(Choice):
+    assisted = "assisted"
+    shifted = "shifted"
+
+
+class Acceptance(Choice):
+    strict = "strict"
+    relaxed = "relaxed"
+
 
 
 @dataclass
@@ -57,10 +67,10 @@ class MDMGuidedConfig(MDMDecoderConfig):
     name: str = "mdm_guided"
     # Export directory of the causal AR guide (same tokenizer as the MDM, minus <|mask|>).
     guide: str | None = None
-    commit: str = "assisted"
-    acceptance: str = "strict"
+    commit: Commit = Commit.assisted
+    acceptance: Acceptance = Acceptance.strict
     # Relaxed acceptance: draft in the guide's top-2 with p(draft) >= relaxed_ratio * p(top).
-    relaxed_ratio: float = 0.5
+    relaxed_ratio: float = ranged(0.5, gt=0, le=1)
 
 
 def check_guide_tokenizer(guide, tokenizer) -> None:
@@ -92,12 +102,6 @@ class MDMGuidedDecoder(MDMDecoder):
 
     def __init__(self, cfg: MDMGuidedConfig, tokenizer):
         super().__init__(cfg, tokenizer)
-        if cfg.commit not in COMMITS:
-            raise ConfigError(f"config key 'decoder.commit' = {cfg.commit!r}; expected one of {COMMITS}")
-        if cfg.acceptance not in ACCEPTANCES:
-            raise ConfigError(f"config key 'decoder.acceptance' = {cfg.acceptance!r}; expected one of {ACCEPTANCES}")
-        if not 0 < cfg.relaxed_ratio <= 1:
-            raise ConfigError(f"config key 'decoder.relaxed_ratio' must be in (0, 1], got {cfg.relaxed_ratio}")
         self._checked_guide = None
         self._cache = None
 

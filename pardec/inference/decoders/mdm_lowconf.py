@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pardec.common.config_fields import ranged
 from pardec.common.errors import ConfigError
 from pardec.inference.decoders.mdm_common import BlockRun, MDMDecoder, MDMDecoderConfig
 
@@ -28,7 +29,7 @@ from pardec.inference.decoders.mdm_common import BlockRun, MDMDecoder, MDMDecode
 class MDMLowConfConfig(MDMDecoderConfig):
     name: str = "mdm_lowconf"
     # Steps per block (1 <= steps <= block_size); null = block_size (one token per step).
-    steps_per_block: int | None = None
+    steps_per_block: int | None = ranged(None, ge=1)
 
 
 def tokens_per_step(block_size: int, steps: int) -> list[int]:
@@ -49,8 +50,6 @@ class MDMLowConfDecoder(MDMDecoder):
 
     def __init__(self, cfg: MDMLowConfConfig, tokenizer):
         super().__init__(cfg, tokenizer)
-        if cfg.steps_per_block is not None and cfg.steps_per_block < 1:
-            raise ConfigError(f"config key 'decoder.steps_per_block' must be >= 1, got {cfg.steps_per_block}")
 
     def select(self, logits: torch.Tensor, masked: torch.Tensor, step: int, run: BlockRun) -> dict[int, int]:
         steps = self.cfg.steps_per_block or run.block

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pardec.common.errors import ConfigError
+from pardec.common.config_fields import ranged
 from pardec.inference.decoders.mdm_common import NONE, PREFIX, BlockRun, MDMDecoder, MDMDecoderConfig
 from pardec.inference.decoders.mdm_lowconf import confidence
 
@@ -27,7 +27,7 @@ from pardec.inference.decoders.mdm_lowconf import confidence
 @dataclass
 class MDMThresholdConfig(MDMDecoderConfig):
     name: str = "mdm_threshold"
-    threshold: float = 0.9
+    threshold: float = ranged(0.9, gt=0, le=1)
     # Fast-dLLM's prefix KV cache, refreshed at each block start (ignored when freecache=true).
     prefix_cache: bool = True
 
@@ -37,8 +37,6 @@ class MDMThresholdDecoder(MDMDecoder):
 
     def __init__(self, cfg: MDMThresholdConfig, tokenizer):
         super().__init__(cfg, tokenizer)
-        if not 0 < cfg.threshold <= 1:
-            raise ConfigError(f"config key 'decoder.threshold' must be in (0, 1], got {cfg.threshold}")
 
     @property
     def default_cache(self) -> str:

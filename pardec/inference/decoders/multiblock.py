@@ -103,11 +103,11 @@ from typing import Optional
 import torch
 from transformers import DynamicCache
 
-from pardec.common.errors import ConfigError
+from pardec.common.config_fields import ranged
 from pardec.common.kv_cache import crop_cache
 from pardec.inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device
 from pardec.inference.decoders.jacobi import (
-    check_draft_config,
+    DraftInit,
     converged_prefix,
     init_draft,
     prefill_prompt,
@@ -123,12 +123,13 @@ CHAIN = 1  # branch id of the blocks' drafts; candidate j (0-based) is CHAIN + 1
 @dataclass
 class MultiBlockDecoderConfig(DecoderConfig):
     name: str = "multiblock"
-    block_size: Optional[int] = None  # n; null = the checkpoint's recorded jacobi_block_size
-    num_blocks: int = 2  # K: blocks in flight (1 real-active + up to K-1 pseudo-active)
-    spawn_ratio: float = 0.85  # r: spawn the next block once the newest one has >= ceil(r*n) tokens
-    ngram_pool_size: int = 4  # rejected sequences kept for recycling (0: recycling off)
-    verification_size: int = 4  # pool candidates verified per forward besides the chain (0: off)
-    draft_init: str = "context"  # as in JacobiDecoderConfig
+    block_size: Optional[int] = ranged(None, ge=1)  # n; null = the checkpoint's recorded jacobi_block_size
+    num_blocks: int = ranged(2, ge=1)  # K: blocks in flight (1 real-active + up to K-1 pseudo-active)
+    spawn_ratio: float = ranged(0.85, gt=0, le=1)  # r: spawn the next block once the newest one has >= ceil(r*n) tokens
+    # Rejected sequences kept for recycling, and pool candidates verified per forward besides the chain.
+    ngram_pool_size: int = ranged(4, ge=0, note="0 = recycling off")
+    verification_size: int = ranged(4, ge=0, note="0 = recycling off")
+    draft_init: DraftInit = DraftInit.context  # as in JacobiDecoderConfig
 
 
 # --------------------------------------------------------------------------- attention mask
@@ -348,15 +349,6 @@ class MultiBlockDecoder(PerSampleDecoder):
 
     def __init__(self, cfg: MultiBlockDecoderConfig, tokenizer):
         super().__init__(cfg, tokenizer)
-        check_draft_config(cfg.block_size, cfg.draft_init)
-        if cfg.num_blocks < 1:
-            raise ConfigError(f"decoder.num_blocks must be >= 1, got {cfg.num_blocks}")
-        if not 0 < cfg.spawn_ratio <= 1:
-            raise ConfigError(f"decoder.spawn_ratio must be in (0, 1], got {cfg.spawn_ratio}")
-        if cfg.ngram_pool_size < 0:
-            raise ConfigError(f"decoder.ngram_pool_size must be >= 0 (0 = no recycling), got {cfg.ngram_pool_size}")
-        if cfg.verification_size < 0:
-            raise ConfigError(f"decoder.verification_size must be >= 0 (0 = no recycling), got {cfg.verification_size}")
         self.recycling = cfg.ngram_pool_size > 0 and cfg.verification_size > 0
 
     @torch.inference_mode()

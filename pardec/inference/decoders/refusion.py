@@ -87,41 +87,54 @@ from typing import Any, Optional
 
 import torch
 
+from pardec.common.config_fields import Choice, ranged
 from pardec.common.errors import ConfigError
 from pardec.common.kv_cache import crop_cache, select_cache_entries
 from pardec.common.metadata import CheckpointMetadata
 from pardec.inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device, prefill
-from pardec.inference.decoders.sampling import SamplingParams, probs_from_logits
+from pardec.inference.decoders.sampling import SamplingMode, SamplingParams, probs_from_logits
 from pardec.masks.core import additive_mask, require_dense_attention
 from pardec.masks.refusion import SHARED, refusion_decode_mask
 from pardec.models.loading import mask_token_id
 
-MODES = ("greedy", "sample")
-PLAN_SCOPES = ("all", "block")
-FIRST_TOKEN_SOURCES = ("mask", "ar")
+
+
+class PlanScope(Choice):
+    """Which masked slots a plan forward drafts (see ``ReFusionDecoderConfig.plan_scope``)."""
+
+    all = "all"
+    block = "block"
+
+
+class FirstToken(Choice):
+    """Where a slot's first token comes from (see ``ReFusionDecoderConfig.first_token``)."""
+
+    mask = "mask"
+    ar = "ar"
+
 
 
 @dataclass
 class ReFusionDecoderConfig(DecoderConfig):
     name: str = "refusion"
     # Slot size k; null = the checkpoint's pardec.slot_size.
-    slot_size: Optional[int] = None
+    slot_size: Optional[int] = ranged(None, ge=1)
     # Semi-AR block size b (a multiple of k); null = max_new_tokens (one block).
-    block_size: Optional[int] = None
-    # tau: sets both thresholds below unless they are given; each must lie in (0, 1].
-    threshold: float = 0.7
-    plan_threshold: Optional[float] = None
-    verify_threshold: Optional[float] = None
+    block_size: Optional[int] = ranged(None, ge=1)
+    # tau: sets both thresholds below unless they are given (null).
+    threshold: float = ranged(0.7, gt=0, le=1)
+    plan_threshold: Optional[float] = ranged(None, gt=0, le=1)
+    verify_threshold: Optional[float] = ranged(None, gt=0, le=1)
     # greedy (argmax drafts and completion) | sample (temperature / top-k / top-p).
-    mode: str = "greedy"
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
+    mode: SamplingMode = SamplingMode.greedy
+    temperature: float = ranged(1.0, gt=0)
+    top_k: int = ranged(0, ge=0, note="0 = off")
+    top_p: float = ranged(1.0, gt=0, le=1, note="1 = off")
     # true: reuse the KV cache across steps; false: recompute the whole context every forward.
     kv_reuse: bool = True
     # block (official: the current block's masked slots) | all (the paper: every remaining masked slot).
     # Same tokens either way (causal attention); block's plan forwards are shorter.
-    plan_scope: str = "block"
+    plan_scope: PlanScope = PlanScope.block
     # true: a single selected slot that verification left partial keeps the verify forward's K/V of
     # its verified prefix and takes its next token from that forward (one completion forward fewer,
     # the same tokens); false: completion re-feeds the prefix, as the paper words it.
@@ -135,7 +148,7 @@ class ReFusionDecoderConfig(DecoderConfig):
     # needs block_size = slot size, so that every slot starts right after the committed text). With
     # ar, greedy drafts and thresholds >= 0.5 every output token is the AR head's argmax: the output
     # is the checkpoint's own AR greedy decode (tested).
-    first_token: str = "mask"
+    first_token: FirstToken = FirstToken.mask
 
 
 def resolve_slot_size(model, slot_size: int | None) -> int:
@@ -268,26 +281,10 @@ class ReFusionDecoder(PerSampleDecoder):
 
     def __init__(self, cfg: ReFusionDecoderConfig, tokenizer):
         super().__init__(cfg, tokenizer)
-        if cfg.mode not in MODES:
-            raise ConfigError(f"config key 'decoder.mode' = {cfg.mode!r}; expected one of {MODES}")
-        if cfg.plan_scope not in PLAN_SCOPES:
-            raise ConfigError(f"config key 'decoder.plan_scope' = {cfg.plan_scope!r}; expected one of {PLAN_SCOPES}")
-        if cfg.first_token not in FIRST_TOKEN_SOURCES:
-            raise ConfigError(f"config key 'decoder.first_token' = {cfg.first_token!r}; expected one of "
-                              f"{FIRST_TOKEN_SOURCES}")
         self.plan_threshold = cfg.threshold if cfg.plan_threshold is None else cfg.plan_threshold
         self.verify_threshold = cfg.threshold if cfg.verify_threshold is None else cfg.verify_threshold
-        for key, value in (("threshold", cfg.threshold), ("plan_threshold", self.plan_threshold),
-                           ("verify_threshold", self.verify_threshold)):
-            if not 0 < value <= 1:
-                raise ConfigError(f"config key 'decoder.{key}' = {value}; thresholds must lie in (0, 1]")
-        if cfg.slot_size is not None and cfg.slot_size < 1:
-            raise ConfigError(f"config key 'decoder.slot_size' = {cfg.slot_size}; must be >= 1")
-        if cfg.block_size is not None and cfg.block_size < 1:
-            raise ConfigError(f"config key 'decoder.block_size' = {cfg.block_size}; must be >= 1")
         self.greedy = cfg.mode == "greedy"
         self.sampling = SamplingParams(self.greedy, cfg.temperature, cfg.top_k, cfg.top_p)
-        self.sampling.check()
 
     def summarize(self, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """Per-run aggregates: mean slots accepted per plan-and-infill step, and the forward mix."""

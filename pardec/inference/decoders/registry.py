@@ -12,6 +12,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from pardec.common.config_fields import check_config
 from pardec.common.errors import ConfigError
 from pardec.inference.decoders.base import Decoder, DecoderConfig
 
@@ -42,9 +43,11 @@ def _resolve(name: str) -> tuple[type[Decoder], type[DecoderConfig]]:
 def decoder_config(raw: Mapping[str, Any] | DictConfig | DecoderConfig) -> DecoderConfig:
     """Validate a decoder config (mapping, DictConfig or dataclass) into its dataclass.
 
-    An unknown or mistyped key raises :class:`ConfigError` naming ``decoder.<key>``.
+    An unknown or mistyped key, a value outside its declared range or choices raises
+    :class:`ConfigError` naming ``decoder.<key>``.
     """
     if is_dataclass(raw):
+        check_config(raw, "decoder")
         return raw
     data = OmegaConf.to_container(raw, resolve=True) if isinstance(raw, DictConfig) else dict(raw)
     if "name" not in data:
@@ -55,7 +58,9 @@ def decoder_config(raw: Mapping[str, Any] | DictConfig | DecoderConfig) -> Decod
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "?"
         raise ConfigError(f"invalid config key 'decoder.{key}': {str(err).splitlines()[0]}") from None
-    return OmegaConf.to_object(node)
+    cfg = OmegaConf.to_object(node)
+    check_config(cfg, "decoder")
+    return cfg
 
 
 def build_decoder(cfg: Mapping[str, Any] | DictConfig | DecoderConfig, tokenizer) -> Decoder:

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pardec.common.errors import ConfigError
+from pardec.common.config_fields import ranged
 from pardec.inference.decoders.base import DecodeResult, LoopTimer
 from pardec.inference.decoders.mdm_common import MDMDecoder, MDMDecoderConfig, RevisionLog
 
@@ -65,10 +65,10 @@ class SaberConfig(MDMDecoderConfig):
     name: str = "saber"
     # n: when fewer masked positions pass the adaptive threshold, this many (the most confident) are drafted;
     # official 2.
-    min_tokens: int = 2
+    min_tokens: int = ranged(2, ge=1)
     # mu: a step re-masks max(min_tokens // 2, ceil(|drafted| / remask_divisor)) tokens, at most |drafted| - 1;
     # official 8.
-    remask_divisor: int = 8
+    remask_divisor: int = ranged(8, ge=1)
 
 
 def adaptive_threshold(unmask_conf: torch.Tensor, decoded: torch.Tensor) -> float:
@@ -119,9 +119,6 @@ class SaberDecoder(MDMDecoder):
 
     def __init__(self, cfg: SaberConfig, tokenizer):
         super().__init__(cfg, tokenizer)
-        for key in ("min_tokens", "remask_divisor"):
-            if getattr(cfg, key) < 1:
-                raise ConfigError(f"config key 'decoder.{key}' must be >= 1, got {getattr(cfg, key)}")
 
     @torch.inference_mode()
     def decode_one(self, model, prompt: list[int], eos_token_ids: Collection[int], seed: int) -> DecodeResult:

@@ -17,25 +17,24 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pardec.common.errors import ConfigError
+from pardec.common.config_fields import Choice
+
+
+class SamplingMode(Choice):
+    """``decoder.mode`` of the decoders that can sample: greedy (argmax) | sample (temperature, top-k, top-p)."""
+
+    greedy = "greedy"
+    sample = "sample"
 
 
 @dataclass
 class SamplingParams:
+    """Built from a decoder config, whose declared ranges hold (temperature > 0, top_k >= 0, top_p in (0, 1])."""
+
     greedy: bool = True
     temperature: float = 1.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
-
-    def check(self, prefix: str = "decoder") -> None:
-        if self.greedy:
-            return
-        if not self.temperature > 0:
-            raise ConfigError(f"{prefix}.temperature must be > 0 when sampling, got {self.temperature}")
-        if self.top_k < 0:
-            raise ConfigError(f"{prefix}.top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"{prefix}.top_p must be in (0, 1], got {self.top_p}")
 
 
 def sample_seed(seed: int, index: int) -> int:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pardec.common.errors import ConfigError
+from pardec.common.config_fields import ranged
 from pardec.inference.decoders.base import DecodeResult, LoopTimer
 from pardec.inference.decoders.mdm_common import BlockRun, MDMDecoder, MDMDecoderConfig, RevisionLog
 
@@ -46,12 +46,12 @@ FIRST_LAST_ACCEPT = 30  # official: the ReMask cap before a block's first step
 class WinoConfig(MDMDecoderConfig):
     name: str = "wino"
     # Wide-in drafting threshold (strict >), official 0.6.
-    threshold: float = 0.6
+    threshold: float = ranged(0.6, ge=0, le=1)
     # Narrow-out: a decoded token whose leave-one-out probability is < this is re-masked, official 0.9.
-    threshold_back: float = 0.9
+    threshold_back: float = ranged(0.9, ge=0, le=1)
     # Guard (not official, whose loop has none): after this many steps in one block, re-masking stops
     # so the block finishes; null = 4 x block size. Counted in stats["remask_stopped"].
-    max_block_steps: int | None = None
+    max_block_steps: int | None = ranged(None, ge=1)
 
 
 def max_accept(n_masked: int) -> int:
@@ -90,12 +90,6 @@ class WinoDecoder(MDMDecoder):
 
     def __init__(self, cfg: WinoConfig, tokenizer):
         super().__init__(cfg, tokenizer)
-        for key in ("threshold", "threshold_back"):
-            value = getattr(cfg, key)
-            if not 0 <= value <= 1:
-                raise ConfigError(f"config key 'decoder.{key}' must be in [0, 1], got {value}")
-        if cfg.max_block_steps is not None and cfg.max_block_steps < 1:
-            raise ConfigError(f"config key 'decoder.max_block_steps' must be >= 1, got {cfg.max_block_steps}")
 
     def shadow_forward(self, run: BlockRun, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(real logits [B, V] predicting the block, shadow logits [B, V] verifying it)``."""
