@@ -81,7 +81,7 @@ def test_offload_needs_a_zero_stage():
 
 
 def test_flex_kernel_options_compose_from_the_command_line_and_need_pardec_flex(tmp_path):
-    """The README's override gives a dict; a run that does not use pardec_flex (CPU: sdpa) stops before
+    """docs/guide/gpu_nodes.md's override gives a dict; a run that does not use pardec_flex (CPU: sdpa) stops before
     training with an error naming the key."""
     from tests.train_utils import run_in_process
 

@@ -46,7 +46,7 @@ def test_markdown_renders_every_row_kind():
 
 
 def test_the_saved_autotuned_choice_is_the_one_the_framework_names():
-    """``benchmarks/results/flex_kernels_best.json`` (what the README's mask_backends command reads) and
+    """``benchmarks/results/flex_kernels_best.json`` (what docs/results/gpu.md's mask_backends command reads) and
     ``pardec.models.flex_attention.AUTOTUNED_HOPPER_HEAD_DIM_64`` were written apart: they must not drift."""
     import json
     from pathlib import Path

@@ -1,5 +1,5 @@
 # bash scripts/reproduce.sh            (or: .venv/bin/python -m pardec.cli.reproduce [--only NAME ...] [--dry-run])
-"""Reproduce every table of the README on one machine: the embedded default base, each conversion
+"""Reproduce the summary table (docs/results/summary.md) on one machine: the embedded default base, each conversion
 (I-DLM, R-ISD, Jacobi Forcing, ReFusion, MDM), each method's benchmark and the summary table.
 
 Steps run in order, each as its own process, with its output in ``runs/reproduce/logs/<step>.log``,

@@ -117,7 +117,7 @@ class CoverConfig(MDMDecoderConfig):
     max_revisions: int = ranged(5, ge=0)
     # false: the "w/o kv" ablation (seeds re-masked, no K/V injection, no correction).
     override: bool = True
-    # With override: "token" (the mirror, beyond the paper; chosen on val: see the README) feeds the
+    # With override: "token" (the mirror, beyond the paper; chosen on val: see docs/results/cover.md) feeds the
     # seeds' tokens and shows only each seed's verifying row mask-derived K/V (from the last forward
     # that fed the seed a mask); "mask" (the paper) feeds the seeds masked and shows every other
     # query their previous-forward K/V.
