@@ -14,6 +14,7 @@ embedding table; and a ``pardec.mask_token_id`` recorded in ``config.json`` is t
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -21,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pardec.common.errors import CheckpointError
 from pardec.common.metadata import CheckpointMetadata
+from pardec.inference.decoders.registry import auxiliary_checkpoints
 from pardec.models.loading import check_checkpoint_files, check_tokenizer_files, check_tokenizer_matches, resolve_dtype
 
 
@@ -66,6 +68,17 @@ def load_checkpoint(
     if metadata.mask_token_id is not None:
         forbid_output_token(model, metadata.mask_token_id)
     return model.to(torch_device).eval(), tokenizer
+
+
+def load_for_decoding(cfg) -> tuple[Any, Any, dict[str, Any]]:
+    """``(model, tokenizer, auxiliary)`` for a validation config (``pardec.inference.config.ValidateConfig``):
+    ``cfg.checkpoint`` and the auxiliary models ``cfg.decoder`` names (loaded once, keyed by config field,
+    for ``Decoder.use_auxiliary``), on ``cfg.device`` in ``cfg.dtype``."""
+    model, tokenizer = load_checkpoint(cfg.checkpoint, cfg.device, cfg.dtype, cfg.attn_implementation)
+    auxiliary = {
+        field: load_checkpoint(path, cfg.device, cfg.dtype)[0] for field, path in auxiliary_checkpoints(cfg.decoder).items()
+    }
+    return model, tokenizer, auxiliary
 
 
 def forbid_output_token(model, token_id: int) -> RemovableHandle:
