@@ -206,3 +206,46 @@ def test_metadata_record_round_trips_and_rejects_bad_values(tmp_path):
         CheckpointMetadata.from_dict({"attention": "block"}, "x")
     with pytest.raises(CheckpointError, match="no config.json"):
         CheckpointMetadata.read(tmp_path / "missing")
+
+
+def _mdm_export(tok, attention: str = "bidirectional"):
+    """A tiny model recording what a recipe=mdm export records (bidirectional attention, shift, <|mask|>)."""
+    model = tiny_model(len(tok))
+    CheckpointMetadata(recipe="mdm", attention=attention, logit_shift=True, attention_block_size=2 if attention == "block"
+                       else None, mask_token_id=tok.convert_tokens_to_ids("<|mask|>")).write_to(model)
+    return model
+
+
+@pytest.mark.parametrize("name", ["ar", "jacobi", "multiblock", "isd", "refusion"])
+def test_causal_decoder_on_an_mdm_export_is_refused_before_decoding(name, monkeypatch):
+    """Issue 40: AR greedy and Jacobi ran on a bidirectional MDM export and reported 0% accuracy.
+    Every decoder of causal checkpoints is refused before anything is decoded, with both kinds named."""
+    import pardec.inference.evaluate as evaluate_module
+
+    tok = tiny_tokenizer(("<|mask|>",))
+    decoded = []
+    monkeypatch.setattr(evaluate_module, "run_decoder", lambda *args, **kwargs: decoded.append(args))
+    with pytest.raises(CheckpointError, match=rf"decoder '{name}' decodes checkpoints of kind .*ar.* but config.json of "
+                                              r".* is a checkpoint of kind mdm-bidirectional \(pardec.recipe='mdm', "
+                                              r"attention='bidirectional'.*decode it with cover, mdm_guided"):
+        evaluate(_mdm_export(tok), tok, datasets.Dataset.from_list(EVAL_ROWS[:2]), {"name": name, "max_new_tokens": 4})
+    assert decoded == []
+
+
+@pytest.mark.parametrize("name", ["mdm_lowconf", "cover", "isd"])
+def test_decoder_on_a_plain_ar_checkpoint_is_refused_naming_the_kinds(name):
+    tok = tiny_tokenizer()
+    with pytest.raises(CheckpointError, match=rf"decoder '{name}' decodes checkpoints of kind .* is a checkpoint of "
+                                              r"kind ar \(pardec.recipe=None.*decode it with ar, jacobi, multiblock$"):
+        evaluate(tiny_model(len(tok)), tok, datasets.Dataset.from_list(EVAL_ROWS[:1]), {"name": name})
+
+
+def test_every_decoder_declares_the_checkpoint_kinds_it_decodes():
+    from pardec.common.metadata import CHECKPOINT_KINDS
+
+    for name in registry._DECODERS:
+        kinds = registry._resolve(name)[0].checkpoint_kinds
+        assert kinds and set(kinds) <= set(CHECKPOINT_KINDS), name
+    tok = tiny_tokenizer(("<|mask|>",))
+    for attention in ("bidirectional", "block"):  # and an MDM export is accepted by the MDM decoders
+        registry.check_checkpoint_kind("mdm_lowconf", CheckpointMetadata.of_model(_mdm_export(tok, attention)), "x")

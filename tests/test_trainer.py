@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pardec.common.errors import CheckpointError
+from pardec.common.errors import CheckpointError, ConfigError
 from tests.train_utils import exported_weights, run_in_process
 from pardec.trainers.preemption import PREEMPTED_MARKER, STOP_FILE
 
@@ -135,3 +135,18 @@ def test_sigusr1_checkpoints_and_exits(tmp_path, monkeypatch):
     assert "SIGUSR1" in (tmp_path / PREEMPTED_MARKER).read_text()
     assert (tmp_path / "checkpoints" / "step-00000001").is_dir()
     assert signal.getsignal(signal.SIGUSR1) == previous  # handlers restored
+
+
+def test_eval_decoder_that_cannot_decode_the_recipes_export_is_refused_before_training(tmp_path):
+    """recipe=mdm exports a bidirectional MDM: evaluating it with AR greedy is refused at start (naming
+    eval.decoder and both checkpoint kinds); an MDM decoder evaluates the model in training as exported."""
+    mdm = [f"output_dir={tmp_path}", "recipe=mdm", "model=tiny_qwen3", "trainer.max_steps=1", "eval.at_end=true",
+           "eval.num_samples=2", "eval.max_new_tokens=32"]
+    with pytest.raises(ConfigError, match=r"'eval.decoder' = 'ar': decoder 'ar' decodes checkpoints of kind ar or "
+                                          r"masked-ar, but this run's export \(recipe=mdm\) is a checkpoint of kind "
+                                          r"mdm-bidirectional"):
+        run_in_process([*mdm, "eval.decoder=ar"])
+    assert not (tmp_path / "metrics.jsonl").exists()  # nothing trained
+    run_in_process([*mdm, "eval.decoder=mdm_lowconf"])
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "eval/tpf" in line]
+    assert record["eval/num_samples"] == 2

@@ -28,8 +28,21 @@ from pardec.common.constants import METADATA_KEY
 from pardec.common.errors import CheckpointError
 
 ATTENTION_KINDS = ("causal", "bidirectional", "block")
+
+# What a checkpoint is to the decoders (CheckpointMetadata.kind), from its attention, logit shift and
+# <|mask|>; each decoder declares the kinds it decodes (pardec.inference.decoders.base.Decoder.checkpoint_kinds).
+AR = "ar"  # causal attention, next-token logits, no <|mask|>: a base LM, an AR or Jacobi Forcing export
+MASKED_AR = "masked-ar"  # causal attention with a recorded <|mask|>: I-DLM and ReFusion exports
+MDM_BIDIRECTIONAL = "mdm-bidirectional"  # bidirectional attention, shifted logits, <|mask|>: recipe=mdm
+MDM_BLOCK = "mdm-block"  # the same with block-causal attention
+CHECKPOINT_KINDS = (AR, MASKED_AR, MDM_BIDIRECTIONAL, MDM_BLOCK)
 # What ``source`` may record about an imported checkpoint (pardec.cli.import_model writes it).
 SOURCE_KEYS = ("package", "version", "file", "wheel_sha256", "gguf_sha256", "conversion")
+
+
+def model_where(model) -> str:
+    """Where a loaded model's record comes from, for error messages: ``config.json of <its directory>``."""
+    return f"config.json of {getattr(getattr(model, 'config', None), '_name_or_path', '') or 'the model'}"
 
 
 @dataclass(frozen=True)
@@ -84,9 +97,7 @@ class CheckpointMetadata:
     @classmethod
     def of_model(cls, model) -> "CheckpointMetadata":
         """The record of a loaded model (``model.config.pardec``)."""
-        config = getattr(model, "config", None)
-        where = f"config.json of {getattr(config, '_name_or_path', '') or 'the model'}"
-        return cls.from_dict(getattr(config, METADATA_KEY, None), where)
+        return cls.from_dict(getattr(getattr(model, "config", None), METADATA_KEY, None), model_where(model))
 
     @classmethod
     def read(cls, export_dir: str | Path) -> "CheckpointMetadata":
@@ -114,6 +125,23 @@ class CheckpointMetadata:
     def write_to(self, model) -> None:
         """Store the record in ``model.config`` (``save_pretrained`` then writes it)."""
         setattr(model.config, METADATA_KEY, self.to_dict())
+
+    # -- what it is, for the decoders ----------------------------------------------------------
+
+    @property
+    def kind(self) -> str:
+        """One of :data:`CHECKPOINT_KINDS`, or ``other`` (e.g. bidirectional without the logit shift),
+        which no decoder here decodes."""
+        if self.attention in (None, "causal"):
+            return AR if self.mask_token_id is None else MASKED_AR
+        if self.logit_shift and self.mask_token_id is not None:
+            return MDM_BIDIRECTIONAL if self.attention == "bidirectional" else MDM_BLOCK
+        return "other"
+
+    def describe_kind(self) -> str:
+        """The kind and the fields it is read from, for error messages."""
+        return (f"{self.kind} ({METADATA_KEY}.recipe={self.recipe!r}, attention={self.attention!r}, "
+                f"logit_shift={self.logit_shift!r}, mask_token_id={self.mask_token_id!r})")
 
     # -- checks --------------------------------------------------------------------------------
 

@@ -30,12 +30,12 @@ from tqdm import tqdm
 from pardec.common.distributed import DistInfo, current
 from pardec.common.errors import DataError
 from pardec.common.kv_cache import cached_step_attention
-from pardec.common.metadata import CheckpointMetadata
+from pardec.common.metadata import CheckpointMetadata, model_where
 from pardec.data_pipelines.tokenize import format_prompt_ids, resolve_template, stop_token_ids
 from pardec.inference.checkpoint import forbid_output_token
 from pardec.inference.decoders.ar import ARDecoder, ARDecoderConfig
 from pardec.inference.decoders.base import Decoder, DecoderConfig
-from pardec.inference.decoders.registry import build_decoder
+from pardec.inference.decoders.registry import build_decoder, check_checkpoint_kind
 from pardec.inference.decoders.sampling import sample_seed
 from pardec.inference.distributed import broadcast_object, gather_records, shard_indices
 from pardec.inference.metrics import compute_metrics, gold_answer, score_answer
@@ -85,6 +85,7 @@ def evaluate(
     ``Decoder.auxiliary_fields``), keyed by config field.
     """
     decoder = build_decoder(decoder_cfg, tokenizer)
+    check_checkpoint_kind(decoder.cfg.name, CheckpointMetadata.of_model(model), model_where(model))
     decoder.use_auxiliary(auxiliary or {})
     template = resolve_template(tokenizer, template)  # a chat template the tokenizer lacks is named here
     ctx = current() if shard else DistInfo()

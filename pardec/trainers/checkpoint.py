@@ -252,6 +252,12 @@ def verify_checksums(path: Path) -> None:
     Raises CheckpointError naming the first bad file on every rank."""
     manifest_file = path / CHECKSUM_FILE
     if not manifest_file.is_file():
+        # saved_at and checksums.json were introduced together: a state with saved_at was saved with checksums.
+        if "saved_at" in (read_state(path) or {}):
+            raise CheckpointError(
+                f"corrupt checkpoint {path}: {manifest_file} is missing, but this checkpoint was written with "
+                f"checksums (its {STATE_FILE} records saved_at), so its files cannot be verified; resume from "
+                f"another checkpoint with trainer.resume=<dir>")
         log.warning("checkpoint %s has no %s (written before checksums were recorded): not verified",
                     path, CHECKSUM_FILE)
         return
@@ -261,12 +267,6 @@ def verify_checksums(path: Path) -> None:
         raise CheckpointError(f"corrupt checkpoint file {manifest_file}: {err}") from err
     rank, world = _rank_world()
     problems = []
-        # saved_at and checksums.json were introduced together: a state with saved_at was saved with checksums.
-        if "saved_at" in (read_state(path) or {}):
-            raise CheckpointError(
-                f"corrupt checkpoint {path}: {manifest_file} is missing, but this checkpoint was written with "
-                f"checksums (its {STATE_FILE} records saved_at), so its files cannot be verified; resume from "
-                f"another checkpoint with trainer.resume=<dir>")
     for name in sorted(manifest)[rank::world]:
         file = path / name
         if not file.is_file():
@@ -431,14 +431,6 @@ def clear_prior_state(output_dir: Path, on_existing: str, why: str) -> str | Non
     return f"trainer.on_existing=archive: moved the previous run in {output_dir} ({', '.join(names)}) to {dest}"
 
 
-def _latest_or_repair(root: Path, notes: list[str]) -> Path | None:
-    named = read_latest(root)
-    if named is not None and read_state(root / named) is not None:
-        return root / named
-    candidates = complete_checkpoints(root)
-    if not candidates:
-        if named is not None:
-            raise CheckpointError(
 def _check_own(root: Path, named: str) -> None:
     """``latest`` may only name a checkpoint directory of this run: ``step-N`` directly inside ``root``,
     not a path out of it and not a symbolic link (to another run's checkpoint)."""
@@ -450,10 +442,18 @@ def _check_own(root: Path, named: str) -> None:
             f"this run's newest complete checkpoint, or resume another checkpoint explicitly with trainer.resume=<dir>")
 
 
-                f"{root / LATEST} names {named}, but {root / named / STATE_FILE} is missing and {root} holds no "
-                f"other complete checkpoint: nothing to resume from. Start over with trainer.resume=never "
+def _latest_or_repair(root: Path, notes: list[str]) -> Path | None:
+    named = read_latest(root)
     if named is not None:
         _check_own(root, named)
+    if named is not None and read_state(root / named) is not None:
+        return root / named
+    candidates = complete_checkpoints(root)
+    if not candidates:
+        if named is not None:
+            raise CheckpointError(
+                f"{root / LATEST} names {named}, but {root / named / STATE_FILE} is missing and {root} holds no "
+                f"other complete checkpoint: nothing to resume from. Start over with trainer.resume=never "
                 f"trainer.on_existing=archive, or give a checkpoint with trainer.resume=<dir>")
         return None
     newest = candidates[-1][0]

@@ -24,7 +24,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from pardec.common.distributed import DistInfo, all_reduce_mean, any_rank, barrier, init_distributed
-from pardec.common.errors import ConfigError
+from pardec.common.errors import CheckpointError, ConfigError
 from pardec.common.metadata import CheckpointMetadata
 from pardec.data_pipelines.sources import load_raw_split
 from pardec.data_pipelines.tokenize import tokenize_dataset
@@ -45,8 +45,8 @@ from pardec.trainers.checkpoint import (
     load_training_state,
     plan_resume,
     read_latest,
-    run_on_main,
     read_state,
+    run_on_main,
     save_training_state,
     tag_for,
 )
@@ -55,8 +55,8 @@ from pardec.trainers.data_order import DataOrder
 from pardec.trainers.deepspeed_config import build_deepspeed_config
 from pardec.trainers.export import export_hf
 from pardec.trainers.extension_builds import guarded_extension_builds
-from pardec.trainers.metrics_logger import MetricsLogger
 from pardec.trainers.fingerprint import KEY as FINGERPRINT, check_fingerprint, run_fingerprint, tokenizer_fingerprint
+from pardec.trainers.metrics_logger import MetricsLogger
 from pardec.trainers.preemption import PREEMPTED_MARKER, PreemptionWatch
 from pardec.trainers.run_lock import RunLock
 from pardec.trainers.schedule import build_scheduler
@@ -222,7 +222,6 @@ def _plan(cfg: DictConfig, run_dir: Path):
     return plan
 
 
-def train_stage(cfg: DictConfig, dist_info: DistInfo, stop_dir: Path | None = None) -> StageResult:
 def _fingerprint(cfg: DictConfig, resume_dir: Path | None, tokenized, tokenizer_print: dict[str, Any]) -> dict[str, Any]:
     """Rank 0: the fingerprint of this stage's data and tokenizer, which every checkpoint records; a
     resume on other data refuses, naming the change, unless ``trainer.allow_data_change`` (logged)."""
@@ -234,6 +233,23 @@ def _fingerprint(cfg: DictConfig, resume_dir: Path | None, tokenized, tokenizer_
     return current
 
 
+def _record_export_kind(cfg: DictConfig, method, model) -> None:
+    """Write the record the export will carry (attention, logit shift, <|mask|>, ...) on the model now, so
+    that in-training evaluation decodes it as what it is, and refuse (before training) an ``eval.decoder``
+    that cannot decode that kind of checkpoint."""
+    from pardec.inference.decoders.registry import check_checkpoint_kind
+
+    record = CheckpointMetadata.of_model(model).updated(**method.export_metadata())
+    record.write_to(model)
+    if cfg.eval.every or cfg.eval.at_end:
+        try:
+            check_checkpoint_kind(cfg.eval.decoder, record, f"this run's export (recipe={cfg.recipe.name})")
+        except CheckpointError as err:
+            raise ConfigError(f"config key 'eval.decoder' = {cfg.eval.decoder!r}: {err} (or set eval.every=0 "
+                              f"eval.at_end=false)") from None
+
+
+def train_stage(cfg: DictConfig, dist_info: DistInfo, stop_dir: Path | None = None) -> StageResult:
     """Train one stage in ``cfg.output_dir``. Besides that directory's stop file, the one in ``stop_dir`` (the
     recipe's output directory, where ``scripts/slurm/train.sbatch`` creates it) stops the stage."""
     import deepspeed
@@ -253,8 +269,8 @@ def _fingerprint(cfg: DictConfig, resume_dir: Path | None, tokenized, tokenizer_
 
     # 1. tokenizer, method and data (rank 0 first, so the datasets cache is written once)
     tokenizer = load_tokenizer(cfg.model, cfg.data)
-    method = build_method(cfg.recipe, tokenizer)
     tokenizer_print = tokenizer_fingerprint(tokenizer)  # as loaded, before a recipe adds <|mask|>
+    method = build_method(cfg.recipe, tokenizer)
     check_max_positions(cfg.model, *method.max_positions(cfg.data))  # before any data work
     attn_impl = resolve_attn_implementation(cfg.model.attn_implementation, on_gpu, method.needs_custom_mask)
     configure_flex_attention(cfg.model, attn_impl)
@@ -264,8 +280,8 @@ def _fingerprint(cfg: DictConfig, resume_dir: Path | None, tokenized, tokenizer_
                                  method.trains_on_responses)
     if dist_info.is_main:
         barrier()
-
     fingerprint = run_on_main(lambda: _fingerprint(cfg, plan.path, tokenized, tokenizer_print), dist_info.is_main)
+
     # 2. model (partitioned at load time under ZeRO-3), method-specific changes, DeepSpeed engine
     hf_ds_config = None
     if cfg.deepspeed.stage == 3:
@@ -274,6 +290,7 @@ def _fingerprint(cfg: DictConfig, resume_dir: Path | None, tokenized, tokenizer_
         hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841 (must stay alive while loading)
     model = load_model(cfg.model, tokenizer, dtype, attn_impl)
     model = method.prepare_model(model)
+    _record_export_kind(cfg, method, model)
     train_ds = method.build_train_dataset(tokenized, cfg.data, model)
     optimizer = _build_optimizer(model, cfg, on_gpu)
     # A factory: ZeRO-3 regroups the parameters, so the schedule is built on the wrapped optimizer.

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from pardec.common.config_fields import ranged
+from pardec.common.metadata import AR, MASKED_AR
 from pardec.inference.decoders.base import Decoder, DecoderConfig, DecodeResult, LoopTimer, left_pad, model_device, prefill
 from pardec.inference.decoders.sampling import SamplingParams, make_generators, select_tokens
 
@@ -35,6 +36,8 @@ class ARDecoderConfig(DecoderConfig):
 
 class ARDecoder(Decoder):
     name = "ar"
+    # The checkpoint kinds it decodes (pardec.common.metadata.CHECKPOINT_KINDS): every causal next-token LM.
+    checkpoint_kinds = (AR, MASKED_AR)
 
     def __init__(self, cfg: ARDecoderConfig, tokenizer):
         super().__init__(cfg, tokenizer)

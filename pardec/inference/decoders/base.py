@@ -16,7 +16,10 @@ Counting conventions (docs/methods/conventions.md#counting), fixed here once for
 
 Lifecycle, driven by ``pardec.inference.evaluate.evaluate`` (one run = one eval set):
 
-1. ``decoder = build_decoder(cfg, tokenizer)``: the validated config dataclass and the tokenizer.
+1. ``decoder = build_decoder(cfg, tokenizer)``: the validated config dataclass and the tokenizer. The
+   evaluator then refuses a checkpoint whose kind (attention, logit shift, ``<|mask|>``) is not among
+   the decoder's declared :attr:`Decoder.checkpoint_kinds`, before anything is decoded
+   (``pardec.inference.decoders.registry.check_checkpoint_kind``).
 2. ``decoder.use_auxiliary({...})``: the auxiliary models the decoder's config names (the fields
    listed in :attr:`Decoder.auxiliary_fields`, e.g. FlashDLM's AR guide ``decoder.guide=<export>``),
    loaded once by validation and handed over before decoding; a named one that is missing is a
@@ -82,6 +85,10 @@ class Decoder(ABC):
     # Config fields naming auxiliary checkpoints (export directories) the decoder needs besides the
     # model under evaluation, e.g. ("guide",); a field left null is not loaded.
     auxiliary_fields: tuple[str, ...] = ()
+    # The checkpoint kinds (pardec.common.metadata.CHECKPOINT_KINDS) the decoder can decode; every
+    # decoder declares them, and a checkpoint of another kind is refused before decoding
+    # (pardec.inference.decoders.registry.check_checkpoint_kind).
+    checkpoint_kinds: tuple[str, ...] = ()
 
     def __init__(self, cfg: DecoderConfig, tokenizer):
         check_config(cfg, "decoder")  # every declared range and choice of the decoder's config

@@ -87,7 +87,7 @@ from pardec.common.config_fields import Choice, ranged
 from pardec.common.constants import METADATA_KEY
 from pardec.common.errors import ConfigError
 from pardec.common.kv_cache import crop_cache
-from pardec.common.metadata import CheckpointMetadata
+from pardec.common.metadata import MASKED_AR, CheckpointMetadata
 from pardec.inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device, prefill
 from pardec.inference.decoders.sampling import SamplingMode, SamplingParams, probs_from_logits
 from pardec.inference.isd_metrics import isd_summary
@@ -200,6 +200,8 @@ def step_forward(
 
 class ISDDecoder(PerSampleDecoder):
     name = "isd"
+    # The checkpoint kinds it decodes: a causal LM with a trained <|mask|> (an I-DLM export).
+    checkpoint_kinds = (MASKED_AR,)
 
     def __init__(self, cfg: ISDDecoderConfig, tokenizer):
         super().__init__(cfg, tokenizer)

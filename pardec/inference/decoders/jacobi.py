@@ -57,7 +57,7 @@ from pardec.common.config_fields import Choice, ranged
 from pardec.common.constants import METADATA_KEY
 from pardec.common.errors import ConfigError
 from pardec.common.kv_cache import crop_cache
-from pardec.common.metadata import CheckpointMetadata
+from pardec.common.metadata import AR, MASKED_AR, CheckpointMetadata
 from pardec.inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device, prefill
 
 
@@ -129,6 +129,8 @@ def prefill_prompt(model, prompt: Sequence[int], device: torch.device) -> Dynami
 
 class JacobiDecoder(PerSampleDecoder):
     name = "jacobi"
+    # The checkpoint kinds it decodes (pardec.common.metadata.CHECKPOINT_KINDS): every causal next-token LM.
+    checkpoint_kinds = (AR, MASKED_AR)
 
     def __init__(self, cfg: JacobiDecoderConfig, tokenizer):
         super().__init__(cfg, tokenizer)

@@ -72,7 +72,7 @@ from pardec.common.config_fields import Choice, ranged
 from pardec.common.constants import METADATA_KEY
 from pardec.common.errors import CheckpointError, ConfigError
 from pardec.common.kv_cache import crop_cache
-from pardec.common.metadata import CheckpointMetadata
+from pardec.common.metadata import MDM_BIDIRECTIONAL, MDM_BLOCK, CheckpointMetadata, model_where
 from pardec.inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device
 from pardec.masks.core import additive_mask, require_dense_attention
 from pardec.masks.mdm import ATTENTIONS, BLOCK, answer_block_ids, mdm_mask
@@ -121,7 +121,7 @@ def default_block_size(info: MDMInfo) -> int:
 def mdm_info(model, tokenizer=None) -> MDMInfo:
     """The checkpoint's MDM record; :class:`CheckpointError` naming the keys if it is not an MDM export."""
     meta = CheckpointMetadata.of_model(model)
-    where = f"config.json of {getattr(model.config, '_name_or_path', '') or 'the model'}"
+    where = model_where(model)
     if meta.attention not in ATTENTIONS or meta.logit_shift is None or meta.mask_token_id is None:
         raise CheckpointError(
             f"{where} is not an MDM export: it records {METADATA_KEY}.recipe={meta.recipe!r}, "
@@ -137,6 +137,8 @@ def mdm_info(model, tokenizer=None) -> MDMInfo:
 class MDMDecoder(PerSampleDecoder):
     """Semi-AR block decoding of an MDM; subclasses choose what a step commits (:meth:`select`)."""
 
+    # The checkpoint kinds it decodes: MDM exports (shifted logits, <|mask|>), both attentions.
+    checkpoint_kinds = (MDM_BIDIRECTIONAL, MDM_BLOCK)
     # The cache mode when freecache is off (threshold decoding overrides it with its option).
     default_cache = NONE
     # Why a decoder cannot use FreeCache (it needs one full forward per step), or None when it can.

@@ -105,6 +105,7 @@ from transformers import DynamicCache
 
 from pardec.common.config_fields import ranged
 from pardec.common.kv_cache import crop_cache
+from pardec.common.metadata import AR, MASKED_AR
 from pardec.inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device
 from pardec.inference.decoders.jacobi import (
     DraftInit,
@@ -346,6 +347,8 @@ class BlockChain:
 
 class MultiBlockDecoder(PerSampleDecoder):
     name = "multiblock"
+    # The checkpoint kinds it decodes (pardec.common.metadata.CHECKPOINT_KINDS): every causal next-token LM.
+    checkpoint_kinds = (AR, MASKED_AR)
 
     def __init__(self, cfg: MultiBlockDecoderConfig, tokenizer):
         super().__init__(cfg, tokenizer)

@@ -90,7 +90,7 @@ import torch
 from pardec.common.config_fields import Choice, ranged
 from pardec.common.errors import ConfigError
 from pardec.common.kv_cache import crop_cache, select_cache_entries
-from pardec.common.metadata import CheckpointMetadata
+from pardec.common.metadata import MASKED_AR, CheckpointMetadata
 from pardec.inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device, prefill
 from pardec.inference.decoders.sampling import SamplingMode, SamplingParams, probs_from_logits
 from pardec.masks.core import additive_mask, require_dense_attention
@@ -278,6 +278,8 @@ def _spans(slots: list[_Slot], end: int) -> list[tuple[_Slot, list[int]]]:
 
 class ReFusionDecoder(PerSampleDecoder):
     name = "refusion"
+    # The checkpoint kinds it decodes: a causal LM with a trained <|mask|> (a ReFusion export).
+    checkpoint_kinds = (MASKED_AR,)
 
     def __init__(self, cfg: ReFusionDecoderConfig, tokenizer):
         super().__init__(cfg, tokenizer)

@@ -13,7 +13,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from pardec.common.config_fields import check_config
-from pardec.common.errors import ConfigError
+from pardec.common.errors import CheckpointError, ConfigError
+from pardec.common.metadata import CheckpointMetadata
 from pardec.inference.decoders.base import Decoder, DecoderConfig
 
 # name -> "module:DecoderClass:ConfigClass"
@@ -75,3 +76,18 @@ def auxiliary_checkpoints(cfg: Mapping[str, Any] | DictConfig | DecoderConfig) -
     cfg = decoder_config(cfg)
     decoder_cls, _ = _resolve(cfg.name)
     return decoder_cls.auxiliary_checkpoints(cfg)
+
+
+def check_checkpoint_kind(name: str, metadata: CheckpointMetadata, where: str) -> None:
+    """Refuse, before any decoding, to run decoder ``name`` on a checkpoint whose kind
+    (:attr:`CheckpointMetadata.kind`, read from ``where``) is not one it declares
+    (``Decoder.checkpoint_kinds``): :class:`CheckpointError` naming both kinds and the decoders that
+    decode this one. The one place every decoder's compatibility is checked."""
+    decoder_cls, _ = _resolve(name)
+    if metadata.kind in decoder_cls.checkpoint_kinds:
+        return
+    fits = sorted(n for n in _DECODERS if metadata.kind in _resolve(n)[0].checkpoint_kinds)
+    raise CheckpointError(
+        f"decoder {name!r} decodes checkpoints of kind {' or '.join(decoder_cls.checkpoint_kinds)}, but {where} is a "
+        f"checkpoint of kind {metadata.describe_kind()}: "
+        + (f"decode it with {', '.join(fits)}" if fits else "no decoder here decodes that kind"))
