@@ -195,3 +195,46 @@ def test_in_training_evaluation_never_emits_the_mask_token(monkeypatch):
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([[3, 4]])).logits
     assert int(logits[0, -1].argmax()) == mask_id  # the hook is gone after the evaluation
+
+
+def _validate_cli(cwd: Path, args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "pardec.cli.validate", "progress=false", *args],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_validate_output_path_that_is_a_file_is_refused_before_any_work(tmp_path):
+    """Issue 40: an output_dir that is an existing file failed after decoding everything. It is now
+    refused at start: with a checkpoint that does not even exist, the output path is what is named.
+    A path below a file, and an output file name taken by a directory, are refused too."""
+    from pardec.cli.validate import check_output_dir
+
+    blocker = tmp_path / "results"
+    blocker.write_text("keep")
+    proc = _validate_cli(tmp_path, [f"checkpoint={tmp_path / 'absent'}", f"output_dir={blocker}"])
+    assert proc.returncode != 0 and f"config key 'output_dir' = {blocker}: {blocker} is an existing file" in proc.stderr
+    assert blocker.read_text() == "keep"
+    with pytest.raises(ConfigError, match=f"'output_dir' = {blocker / 'sub'}: {blocker} is an existing file"):
+        check_output_dir(blocker / "sub", True)
+    (tmp_path / "out" / "samples.jsonl").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"default output directory .*out/samples.jsonl is a directory"):
+        check_output_dir(tmp_path / "out", False)
+    check_output_dir(tmp_path / "new" / "dir", True)  # to be created: fine
+
+
+def test_validate_ar_greedy_on_a_bidirectional_mdm_export_is_refused(tmp_path):
+    """Issue 40: decoder=ar_greedy on an MDM export decoded and reported 0% accuracy."""
+    from pardec.common.metadata import CheckpointMetadata
+
+    tok = tiny_tokenizer(("<|mask|>",))
+    model = tiny_model(len(tok))
+    CheckpointMetadata(recipe="mdm", attention="bidirectional", logit_shift=True,
+                       mask_token_id=tok.convert_tokens_to_ids("<|mask|>")).write_to(model)
+    model.save_pretrained(tmp_path / "mdm")
+    tok.save_pretrained(tmp_path / "mdm")
+    data = write_eval_jsonl(tmp_path / "eval.jsonl")
+    proc = _validate_cli(tmp_path, [f"checkpoint={tmp_path / 'mdm'}", "decoder=ar_greedy", "data.source=files",
+                                    f"data.eval_files=[{data}]", f"output_dir={tmp_path / 'out'}"])
+    assert proc.returncode != 0, proc.stdout
+    assert "decoder 'ar' decodes checkpoints of kind ar or masked-ar" in proc.stderr
+    assert "kind mdm-bidirectional" in proc.stderr and not (tmp_path / "out").exists()

@@ -17,6 +17,7 @@ rank 0 prints and writes. Hydra itself writes nothing (see ``pardec/recipes/vali
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -44,6 +45,9 @@ ConfigStore.instance().store(name="validate_schema", node=ValidateConfig)
 def validate(cfg: DictConfig) -> None:
     try:
         cfg = validate_validate_config(cfg)
+        choice = HydraConfig.get().runtime.choices.get("decoder") or cfg.decoder.name
+        out_dir = Path(cfg.output_dir or Path(cfg.checkpoint) / EVAL_DIR / choice)
+        check_output_dir(out_dir, cfg.output_dir is not None)
     except ConfigError as err:
         sys.exit(f"config error: {err}")
     ctx = init_distributed()
@@ -73,8 +77,6 @@ def validate(cfg: DictConfig) -> None:
         shutdown(ctx)
     if not ctx.is_main:
         return
-    choice = HydraConfig.get().runtime.choices.get("decoder") or cfg.decoder.name
-    out_dir = Path(cfg.output_dir or Path(cfg.checkpoint) / "eval" / choice)
     table = format_markdown(result.metrics, title=f"{choice} on {cfg.checkpoint} ({ctx.world_size} process(es))")
     print(table)
     write_outputs(out_dir, result.metrics, result.records, cfg, ctx.world_size, table)
@@ -82,6 +84,27 @@ def validate(cfg: DictConfig) -> None:
     if out_dir.resolve().parent == (Path(cfg.checkpoint) / EVAL_DIR).resolve():
         card = write_model_card(cfg.checkpoint)
         print(f"updated the model card {card}" if card else "the checkpoint's README.md is not pardec's: left as is")
+
+
+OUTPUTS = ("metrics.json", "metrics.md", "samples.jsonl")
+
+
+def check_output_dir(out_dir: Path, given: bool) -> None:
+    """Before any work: ``out_dir`` (``output_dir`` when ``given``, else the default under the
+    checkpoint) can be created or written, and none of :data:`OUTPUTS` in it is a directory;
+    :class:`ConfigError` naming the key, the path and what is in the way."""
+    key = f"config key 'output_dir' = {out_dir}" if given else f"the default output directory {out_dir} (set output_dir)"
+    existing = out_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{key}: {existing} is an existing file, not a directory; choose another output_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: {existing} is not writable; choose another output_dir")
+    blocked = [name for name in OUTPUTS if (out_dir / name).is_dir()]
+    if blocked:
+        raise ConfigError(f"{key}: {out_dir / blocked[0]} is a directory where validation writes a file; choose another "
+                          f"output_dir")
 
 
 def write_outputs(out_dir: Path, metrics: dict, records: list[dict], cfg: DictConfig, world_size: int, table: str) -> None:
