@@ -103,7 +103,7 @@ def test_random_window_phase_shifts_each_sample_window_and_covers_every_level():
         assert rev == [1 - F((i + phi) % 3, 3) for i in range(5)]
     # Block 0 is noised at every level over the data set (phase zero never noises it).
     assert phases == {0, 1, 2}
-    with pytest.raises(ValueError, match="window phase"):
+    with pytest.raises(ValueError, match="is not a valid WindowPhase"):
         noise_ratios(3, 2, "progressive", (0,), "sometimes")
-    with pytest.raises(ValueError, match="window phase"):
+    with pytest.raises(ValueError, match="is not a valid WindowPhase"):
         noise_ratios(3, 2, "random", (0,), "sometimes")

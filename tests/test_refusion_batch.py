@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from pardec.data_pipelines.refusion_batch import MASKINGS, build_refusion_batch, draw_layout, layout_seed
+from pardec.data_pipelines.refusion_batch import Masking, build_refusion_batch, draw_layout, layout_seed
 from pardec.masks.core import dense_additive_mask
 from pardec.masks.refusion import refusion_mask
 from tests import conftest
@@ -168,7 +168,7 @@ def test_in_order_prob_keeps_the_clean_slots_in_position_order():
         draw_layout(64, random.Random(0), (4,), "count", in_order_prob=1.5)
 
 
-@pytest.mark.parametrize("masking", MASKINGS)
+@pytest.mark.parametrize("masking", list(Masking))
 def test_suffix_mask_prob_masks_the_last_slots(masking):
     """Same slot size and number of masked slots as the paper's rule (drawn first); with probability 1
     they are the last ones (the clean slots a prefix), with 0 the layouts are the default ones."""
@@ -217,7 +217,7 @@ def test_all_masked_batch_has_no_arm_labels():
         ([{"input_ids": [1, 2], "prompt_len": 3}], {}, r"sample 0: prompt_len=3 outside \[0, 2\]"),
         ([{"input_ids": [1] * 9, "prompt_len": 1}], {}, r"sample 0 needs 9 slots > pack_length=8"),
         ([{"input_ids": [1, 2], "prompt_len": 1}], {"slot_sizes": (0,)}, r"slot sizes must be"),
-        ([{"input_ids": [1, 2], "prompt_len": 1}], {"masking": "half"}, r"masking must be one of"),
+        ([{"input_ids": [1, 2], "prompt_len": 1}], {"masking": "half"}, r"'half' is not a valid Masking"),
         ([], {}, r"no samples"),
     ],
 )

@@ -103,7 +103,7 @@ def test_no_label_at_all_is_an_exact_zero_in_the_graph(norm):
 
 def test_bad_arguments():
     labels = torch.full((1, 4), -100)
-    with pytest.raises(ValueError, match="mdm_norm must be one of"):
+    with pytest.raises(ValueError, match="is not a valid MDMNorm: expected one of"):
         refusion_loss(torch.zeros(1, 4, 8), labels, labels, mdm_norm="sum")
     with pytest.raises(ValueError, match="needs mdm_sample"):
         refusion_loss(torch.zeros(1, 4, 8), labels, labels, mdm_norm="llada")

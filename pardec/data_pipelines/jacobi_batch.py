@@ -52,13 +52,27 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from pardec.common.config_fields import Choice
 from pardec.common.constants import IGNORE_INDEX
 from pardec.data_pipelines.packing import PAD_SEGMENT, greedy_pack, pad_rows
 from pardec.masks.core import AttentionSpec
 from pardec.masks.jacobi import CLEAN, NOISY, PROMPT, jacobi_nc_ic_mask, jacobi_nc_mask
 
-MASKS = ("nc", "nc_ic")
-LAYOUTS = ("interleaved", "streams")
+
+
+class JacobiMask(Choice):
+    """nc (noise-conditioned) | nc_ic (intra-window clean context)."""
+
+    nc = "nc"
+    nc_ic = "nc_ic"
+
+
+class JacobiLayout(Choice):
+    """interleaved ([prompt][k_0][c_0][k_1][c_1]...) | streams (every noisy block, then every clean block)."""
+
+    interleaved = "interleaved"
+    streams = "streams"
+
 
 
 def sample_length(num_prompt: int, num_blocks: int, block_size: int) -> int:
@@ -90,10 +104,7 @@ def build_jacobi_batch(
     * ``n_blocks``: 0-d long, blocks in the batch (the L_pc divisor);
     * ``attention``: the NC / NC-IC ``AttentionSpec``.
     """
-    if mask not in MASKS:
-        raise ValueError(f"unknown Jacobi mask {mask!r}; expected one of {MASKS}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown Jacobi layout {layout!r}; expected one of {LAYOUTS}")
+    mask, layout = JacobiMask(mask), JacobiLayout(layout)  # ValueError naming the choices
     if block_size < 1 or window < 1:
         raise ValueError(f"block_size and window must be >= 1, got {block_size} and {window}")
     if not samples:

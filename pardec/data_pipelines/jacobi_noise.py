@@ -37,18 +37,28 @@ from typing import Sequence
 
 import numpy as np
 
-SCHEDULES = ("progressive", "reverse_progressive", "random")
-WINDOW_PHASES = ("zero", "random")
+from pardec.common.config_fields import Choice
+
+
+class NoiseSchedule(Choice):
+    progressive = "progressive"
+    reverse_progressive = "reverse_progressive"
+    random = "random"
+
+
+class WindowPhase(Choice):
+    zero = "zero"
+    random = "random"
+
+
 _PHASE_STREAM = 1  # appended to the seed: the phase's draws never coincide with the random schedule's
 
 
 def window_phase(window: int, phase: str, seed: Sequence[int] = (0,)) -> int:
     """The shift phi of a sample's windows: 0 for ``zero``, uniform in {0..w-1} for ``random``."""
-    if phase == "zero":
+    if WindowPhase(phase) == "zero":  # ValueError naming the choices for any other
         return 0
-    if phase == "random":
-        return int(np.random.default_rng([*seed, _PHASE_STREAM]).integers(0, window))
-    raise ValueError(f"unknown window phase {phase!r}; expected one of {WINDOW_PHASES}")
+    return int(np.random.default_rng([*seed, _PHASE_STREAM]).integers(0, window))
 
 
 def noise_ratios(
@@ -59,14 +69,13 @@ def noise_ratios(
     if window < 1:
         raise ValueError(f"noise window w must be >= 1, got {window}")
     phi = window_phase(window, phase, seed)  # validates phase; the random schedule ignores it
+    schedule = NoiseSchedule(schedule)  # ValueError naming the choices
     if schedule == "progressive":
         ks = [(i + phi) % window for i in range(num_blocks)]
     elif schedule == "reverse_progressive":
         ks = [window - (i + phi) % window for i in range(num_blocks)]
-    elif schedule == "random":
+    else:  # random
         ks = np.random.default_rng(list(seed)).integers(0, window, size=num_blocks).tolist()
-    else:
-        raise ValueError(f"unknown noise schedule {schedule!r}; expected one of {SCHEDULES}")
     return [Fraction(k, window) for k in ks]
 
 

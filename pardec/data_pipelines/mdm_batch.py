@@ -62,6 +62,7 @@ from typing import Any
 
 import torch
 
+from pardec.common.config_fields import Choice
 from pardec.common.constants import IGNORE_INDEX
 from pardec.data_pipelines.packing import PAD_SEGMENT, checked_sample, greedy_pack, pad_rows
 from pardec.masks.block_diffusion import block_diffusion_mask
@@ -69,7 +70,14 @@ from pardec.masks.core import AttentionSpec
 from pardec.masks.idlm import X0, XT
 from pardec.masks.mdm import BIDIRECTIONAL, BLOCK, answer_block_ids, bidirectional_mask, block_causal_mask
 
-WEIGHTINGS = ("linear", "cart")
+
+
+class Weighting(Choice):
+    """linear (weight 1/t) | cart (Dream's context-adaptive weight)."""
+
+    linear = "linear"
+    cart = "cart"
+
 
 
 def build_mdm_batch(
@@ -113,8 +121,7 @@ def build_mdm_batch(
         raise ValueError(f"block-causal attention needs block_size >= 1, got {block_size}")
     if clean_context and attention != BLOCK:
         raise ValueError(f"clean_context needs block-causal attention ({BLOCK!r}), got {attention!r}")
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+    weighting = Weighting(weighting)  # ValueError naming the choices
     if not 0 < eps < 1:
         raise ValueError(f"eps must be in (0, 1), got {eps}")
     if not 0 < cart_p <= 1:

@@ -53,11 +53,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from pardec.common.config_fields import Choice
 from pardec.common.constants import IGNORE_INDEX
 from pardec.data_pipelines.packing import PAD_SEGMENT, checked_sample, greedy_pack, pad_rows
 from pardec.masks.refusion import refusion_spec
 
-MASKINGS = ("count", "bernoulli")
+
+
+class Masking(Choice):
+    """count (exactly max(1, floor(t K)) slots, the paper) | bernoulli (per slot with p = t, the official code)."""
+
+    count = "count"
+    bernoulli = "bernoulli"
+
+
 BERNOULLI_EPS = 1e-3
 
 
@@ -83,8 +92,7 @@ def draw_layout(answer_len: int, rng: random.Random, slot_sizes: Sequence[int], 
     """Slot size, masked slots and the clean-slot permutation of one sample (steps 1-3 above).
     With ``in_order_prob`` = ``suffix_mask_prob`` = 0 no extra number is drawn (the layouts are
     those of the paper's rule)."""
-    if masking not in MASKINGS:
-        raise ValueError(f"masking must be one of {MASKINGS}, got {masking!r}")
+    masking = Masking(masking)  # ValueError naming the choices
     for name, prob in (("in_order_prob", in_order_prob), ("suffix_mask_prob", suffix_mask_prob)):
         if not 0 <= prob <= 1:
             raise ValueError(f"{name} must be in [0, 1], got {prob}")

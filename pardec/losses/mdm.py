@@ -22,9 +22,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pardec.common.config_fields import Choice
 from pardec.common.constants import IGNORE_INDEX
 
-NORMALIZATIONS = ("batch", "sample")
+
+
+class Normalization(Choice):
+    """batch (sum / answer tokens of the micro-batch) | sample (per-sample mean, then / B)."""
+
+    batch = "batch"
+    sample = "sample"
 
 
 def mdm_loss(
@@ -45,8 +52,7 @@ def mdm_loss(
             f"logits {tuple(logits.shape)}, labels {tuple(labels.shape)}, weights {tuple(weights.shape)} and "
             f"sample_ids {tuple(sample_ids.shape)} do not match"
         )
-    if normalization not in NORMALIZATIONS:
-        raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+    normalization = Normalization(normalization)  # ValueError naming the choices
 
     # 1. The slots that carry a target (the query before a masked answer token).
     keep = labels != IGNORE_INDEX  # [r, s]

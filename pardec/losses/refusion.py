@@ -21,10 +21,17 @@ from __future__ import annotations
 
 import torch
 
+from pardec.common.config_fields import Choice
 from pardec.common.constants import IGNORE_INDEX
 from pardec.losses.cross_entropy import token_mean_cross_entropy
 
-MDM_NORMS = ("mean", "llada")
+
+
+class MDMNorm(Choice):
+    """mean (token mean over masked tokens) | llada (the official sum CE / p_mask / answer_len / B)."""
+
+    mean = "mean"
+    llada = "llada"
 
 
 def refusion_loss(
@@ -46,8 +53,7 @@ def refusion_loss(
         raise ValueError(
             f"logits {tuple(logits.shape)} do not match labels {tuple(labels_arm.shape)} / {tuple(labels_mdm.shape)}"
         )
-    if mdm_norm not in MDM_NORMS:
-        raise ValueError(f"mdm_norm must be one of {MDM_NORMS}, got {mdm_norm!r}")
+    mdm_norm = MDMNorm(mdm_norm)  # ValueError naming the choices
     if not mdm_lambda >= 0:
         raise ValueError(f"the MDM weight lambda must be >= 0, got {mdm_lambda}")
 

@@ -19,11 +19,21 @@ from __future__ import annotations
 
 import torch
 
+from pardec.common.config_fields import Choice
 from pardec.masks.core import MaskMod, within_sample
 
 BIDIRECTIONAL = "bidirectional"
 BLOCK = "block"
-ATTENTIONS = (BIDIRECTIONAL, BLOCK)
+
+
+class MDMAttention(Choice):
+    """bidirectional (inside each sample) | block (block-causal)."""
+
+    bidirectional = BIDIRECTIONAL
+    block = BLOCK
+
+
+ATTENTIONS = tuple(MDMAttention)
 
 
 def _everything(b, h, q_idx, kv_idx):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pardec.common.config_fields import Choice
 from pardec.data_pipelines.packing import PAD_SEGMENT, pack_dataset, pad_rows, single_sample_rows
 from pardec.losses.causal_lm import shifted_labels
 from pardec.losses.cross_entropy import token_mean_cross_entropy
@@ -19,11 +20,17 @@ from pardec.methods.base import Method, forward_logits
 from pardec.methods.recipe_config import RecipeConfig
 
 
+class TrainOn(Choice):
+    """response: loss on response tokens (+EOS) only; all: every token (pre-training text)."""
+
+    response = "response"
+    all = "all"
+
+
 @dataclass
 class ARConfig(RecipeConfig):
     name: str = "ar"
-    # response: loss on response tokens (+EOS) only; all: every token (pre-training text)
-    train_on: str = "response"
+    train_on: TrainOn = TrainOn.response
 
 
 class ARMethod(Method):
@@ -34,8 +41,6 @@ class ARMethod(Method):
         return self.cfg.train_on != "all"  # all: prompts are targets too (plain pre-training text)
 
     def build_train_dataset(self, tokenized, data_cfg, model=None):
-        if self.cfg.train_on not in ("response", "all"):
-            raise ValueError(f"config key 'recipe.train_on' = {self.cfg.train_on!r}; expected response or all")
         train_all = self.cfg.train_on == "all"
 
         def add_loss_mask(row):

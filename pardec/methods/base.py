@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from pardec.common.config_fields import check_config
 from pardec.masks.core import AttentionSpec, materialize
 
 
@@ -33,6 +34,7 @@ class Method(ABC):
     needs_custom_mask: bool = False
 
     def __init__(self, cfg: Any, tokenizer):
+        check_config(cfg, "recipe")  # every declared range and choice of the recipe's config
         self.cfg = cfg
         self.tokenizer = tokenizer
 

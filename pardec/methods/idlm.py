@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from pardec.common.config_fields import ranged
 from pardec.common.errors import DataError
 from pardec.data_pipelines.idlm_batch import build_idlm_batch
 from pardec.losses.idlm import idlm_loss
@@ -32,9 +33,9 @@ from pardec.models.loading import add_mask_token
 class IDLMConfig(RecipeConfig):
     name: str = "idlm"
     # ISD stride N: one exact token + N-1 drafts per step; trains x_t blocks of N-1 tokens.
-    stride: int = 4
+    stride: int = ranged(4, ge=2)
     # Fixed weight alpha of L_clean, or null for auto-balance s = L_mask / L_clean (detached).
-    alpha: Optional[float] = None
+    alpha: Optional[float] = ranged(None, ge=0)
     # Also make the last prompt token's x_t slot (clean, equal to the causal anchor) an L_mask target.
     # Off = docs/methods/idlm.md#loss and the official code (L_mask on <|mask|> slots only); see
     # pardec.data_pipelines.idlm_batch.
@@ -47,8 +48,6 @@ class IDLMMethod(Method):
 
     def __init__(self, cfg, tokenizer):
         super().__init__(cfg, tokenizer)
-        if cfg.stride < 2:
-            raise ValueError(f"config key 'recipe.stride' = {cfg.stride}; ISD needs a stride N >= 2")
         self.mask_token_id: int | None = None
         self.pack_length: int | None = None
 

@@ -39,6 +39,7 @@ from typing import Any, List
 import torch
 from peft import LoraConfig, PeftModel
 
+from pardec.common.config_fields import ranged
 from pardec.common.errors import ConfigError
 from pardec.common.metadata import CheckpointMetadata
 from pardec.methods.idlm import IDLMConfig, IDLMMethod
@@ -50,12 +51,12 @@ _PREFIX = "peft_model."
 @dataclass
 class IDLMLoraConfig(IDLMConfig):
     name: str = "idlm_lora"
-    stride: int = 3
+    stride: int = ranged(3, ge=2)
     # Weight of L_clean: fixed at 0 (L_clean has no gradient w.r.t. a gated LoRA; it is logged only).
-    alpha: float = 0.0
-    lora_rank: int = 128
-    lora_alpha: float = 128.0
-    lora_dropout: float = 0.0
+    alpha: float = ranged(0.0, ge=0)
+    lora_rank: int = ranged(128, ge=1)
+    lora_alpha: float = ranged(128.0, gt=0)
+    lora_dropout: float = ranged(0.0, ge=0, lt=1)
     # Linear layers that get the gated LoRA (PEFT target_modules: name suffixes).
     target_modules: List[str] = field(default_factory=lambda: [
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])

@@ -41,10 +41,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from pardec.common.config_fields import ranged
 from pardec.common.distributed import barrier
 from pardec.common.errors import ConfigError, DataError
-from pardec.data_pipelines.jacobi_batch import LAYOUTS, MASKS, build_jacobi_batch, sample_length
-from pardec.data_pipelines.jacobi_noise import SCHEDULES, WINDOW_PHASES, select_noisy_blocks
+from pardec.data_pipelines.jacobi_batch import JacobiLayout, JacobiMask, build_jacobi_batch, sample_length
+from pardec.data_pipelines.jacobi_noise import NoiseSchedule, WindowPhase, select_noisy_blocks
 from pardec.data_pipelines.jacobi_trajectories import CollectSettings, collect_trajectories, load_trajectories, read_meta
 from pardec.data_pipelines.tokenize import stop_token_ids
 from pardec.losses.jacobi import jacobi_forcing_loss
@@ -56,39 +57,38 @@ from pardec.methods.recipe_config import RecipeConfig
 class JacobiForcingConfig(RecipeConfig):
     name: str = "jacobi_forcing"
     # Jacobi block size n (trajectory collection and training).
-    block_size: int = 16
+    block_size: int = ranged(16, ge=1)
     # Noise-schedule window w (in blocks); also NC-IC's window.
-    window: int = 16
-    # progressive | reverse_progressive | random
-    schedule: str = "progressive"
+    window: int = ranged(16, ge=1)
+    schedule: NoiseSchedule = NoiseSchedule.progressive
     # zero (windows start at block 0, docs/methods/jacobi_forcing.md#noise-schedule) | random (per-sample shift;
     # see pardec.data_pipelines.jacobi_noise)
-    window_phase: str = "zero"
+    window_phase: WindowPhase = WindowPhase.zero
     # nc (noise-conditioned, the paper's choice) | nc_ic (intra-window clean context, ablation)
-    mask: str = "nc"
+    mask: JacobiMask = JacobiMask.nc
     # interleaved ([prompt][k_0][c_0][k_1][c_1]..., docs/methods/jacobi_forcing.md#packing) | streams (every noisy
     # block, then every clean block: the same attention, about half the FlexAttention tiles;
     # pardec.data_pipelines.jacobi_batch)
-    layout: str = "interleaved"
+    layout: JacobiLayout = JacobiLayout.interleaved
     # w in L = L_pc + w * L_AR.
-    ar_weight: float = 10.0
+    ar_weight: float = ranged(10.0, ge=0)
     # Trajectory length cap (whole blocks are generated: at most ceil(max_new_tokens / n) blocks).
-    max_new_tokens: int = 128
+    max_new_tokens: int = ranged(128, ge=1)
     # Seeds the drafts' random init and the random schedule (per prompt: (seed, prompt index)).
-    seed: int = 0
+    seed: int = ranged(0, ge=0)
     # Prompts per trajectory shard file (the unit of resume).
-    shard_size: int = 64
+    shard_size: int = ranged(64, ge=1)
     # Logit gap tolerated when checking the fixed points against AR greedy; null = 0 in float32,
     # 0.5 in 16-bit (see pardec.data_pipelines.jacobi_trajectories).
-    greedy_atol: Optional[float] = None
+    greedy_atol: Optional[float] = ranged(None, ge=0)
     # Pre-collected trajectories (pardec/cli/collect_trajectories.py); null = collect in this stage.
     trajectories_dir: Optional[str] = None
     # Where this stage collects (resumable shards); the recipe YAML sets ${output_dir}/trajectories.
     collect_dir: Optional[str] = None
     # The training prompts this stage collects from: rows [prompt_start, prompt_start + num_prompts)
     # of the training split (null = to its end). Per-stage values give each round fresh prompts.
-    prompt_start: int = 0
-    num_prompts: Optional[int] = None
+    prompt_start: int = ranged(0, ge=0)
+    num_prompts: Optional[int] = ranged(None, ge=1)
 
 
 def _examples(row, block_size: int, window: int, schedule: str, phase: str, seed: int) -> dict:
@@ -111,26 +111,6 @@ class JacobiForcingMethod(Method):
 
     def __init__(self, cfg, tokenizer):
         super().__init__(cfg, tokenizer)
-        for key in ("block_size", "window", "max_new_tokens", "shard_size"):
-            if getattr(cfg, key) < 1:
-                raise ConfigError(f"config key 'recipe.{key}' = {getattr(cfg, key)}; must be >= 1")
-        if cfg.schedule not in SCHEDULES:
-            raise ConfigError(f"config key 'recipe.schedule' = {cfg.schedule!r}; expected one of {SCHEDULES}")
-        if cfg.window_phase not in WINDOW_PHASES:
-            raise ConfigError(
-                f"config key 'recipe.window_phase' = {cfg.window_phase!r}; expected one of {WINDOW_PHASES}"
-            )
-        if cfg.mask not in MASKS:
-            raise ConfigError(f"config key 'recipe.mask' = {cfg.mask!r}; expected one of {MASKS}")
-        if cfg.layout not in LAYOUTS:
-            raise ConfigError(f"config key 'recipe.layout' = {cfg.layout!r}; expected one of {LAYOUTS}")
-        if cfg.ar_weight < 0:
-            raise ConfigError(f"config key 'recipe.ar_weight' = {cfg.ar_weight}; must be >= 0")
-        if cfg.prompt_start < 0 or (cfg.num_prompts is not None and cfg.num_prompts < 1):
-            raise ConfigError(
-                f"config keys 'recipe.prompt_start' = {cfg.prompt_start} (>= 0) and 'recipe.num_prompts' = "
-                f"{cfg.num_prompts} (>= 1 or null)"
-            )
         if cfg.trajectories_dir is not None and (cfg.prompt_start or cfg.num_prompts is not None):
             raise ConfigError(
                 "'recipe.prompt_start' / 'recipe.num_prompts' select the prompts to collect from; with "

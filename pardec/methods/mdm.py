@@ -28,10 +28,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pardec.common.config_fields import ranged
 from pardec.common.errors import ConfigError, DataError
-from pardec.data_pipelines.mdm_batch import WEIGHTINGS, build_mdm_batch
-from pardec.losses.mdm import NORMALIZATIONS, mdm_loss
-from pardec.masks.mdm import ATTENTIONS, BLOCK
+from pardec.data_pipelines.mdm_batch import Weighting, build_mdm_batch
+from pardec.losses.mdm import Normalization, mdm_loss
+from pardec.masks.mdm import BLOCK, MDMAttention
 from pardec.methods.base import Method, forward_logits
 from pardec.methods.recipe_config import RecipeConfig
 from pardec.models.bidirectional import set_is_causal
@@ -42,19 +43,19 @@ from pardec.models.loading import add_mask_token
 class MDMConfig(RecipeConfig):
     name: str = "mdm"
     # bidirectional (inside each sample) | block (block-causal, blocks of block_size answer tokens)
-    attention: str = "bidirectional"
-    block_size: int = 32
+    attention: MDMAttention = MDMAttention.bidirectional
+    block_size: int = ranged(32, ge=1)
     # t ~ U(eps, 1)
-    eps: float = 1.0e-3
+    eps: float = ranged(1.0e-3, gt=0, lt=1)
     # linear (weight 1/t) | cart (Dream's context-adaptive weight, geometric p = cart_p)
-    weighting: str = "linear"
-    cart_p: float = 0.3
+    weighting: Weighting = Weighting.linear
+    cart_p: float = ranged(0.3, gt=0, le=1)
     # batch (sum / answer tokens of the micro-batch; dllm) | sample (per-sample mean, then / B; LLaDA)
-    normalization: str = "batch"
+    normalization: Normalization = Normalization.batch
     # Pad every answer with EOS to exactly this many tokens (and train on them); null = off.
-    pad_answer_to: int | None = None
+    pad_answer_to: int | None = ranged(None, ge=1)
     # Probability that a sample is also masked from a random cut to its end (pardec.data_pipelines.mdm_batch).
-    suffix_mask_prob: float = 0.0
+    suffix_mask_prob: float = ranged(0.0, ge=0, le=1)
     # Block attention only: train on [x_0 | x_t] so each block sees clean blocks before it (SDAR).
     clean_context: bool = False
 
@@ -65,24 +66,9 @@ class MDMMethod(Method):
 
     def __init__(self, cfg, tokenizer):
         super().__init__(cfg, tokenizer)
-        checks = {"attention": (cfg.attention, ATTENTIONS), "weighting": (cfg.weighting, WEIGHTINGS),
-                  "normalization": (cfg.normalization, NORMALIZATIONS)}
-        for key, (value, allowed) in checks.items():
-            if value not in allowed:
-                raise ConfigError(f"config key 'recipe.{key}' = {value!r}; expected one of {allowed}")
-        if cfg.block_size < 1:
-            raise ConfigError(f"config key 'recipe.block_size' must be >= 1, got {cfg.block_size}")
-        if not 0 < cfg.eps < 1:
-            raise ConfigError(f"config key 'recipe.eps' must be in (0, 1), got {cfg.eps}")
-        if not 0 < cfg.cart_p <= 1:
-            raise ConfigError(f"config key 'recipe.cart_p' must be in (0, 1], got {cfg.cart_p}")
-        if not 0 <= cfg.suffix_mask_prob <= 1:
-            raise ConfigError(f"config key 'recipe.suffix_mask_prob' must be in [0, 1], got {cfg.suffix_mask_prob}")
         if cfg.clean_context and cfg.attention != BLOCK:
             raise ConfigError(f"config key 'recipe.clean_context' = true needs recipe.attention={BLOCK}, "
                               f"got {cfg.attention!r}")
-        if cfg.pad_answer_to is not None and cfg.pad_answer_to < 1:
-            raise ConfigError(f"config key 'recipe.pad_answer_to' must be >= 1 or null, got {cfg.pad_answer_to}")
         self.mask_token_id: int | None = None
         self.pack_length: int | None = None
 

@@ -26,12 +26,13 @@ References: ReFusion, arXiv:2512.13586.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List
 
+from pardec.common.config_fields import ranged
 from pardec.common.errors import ConfigError
-from pardec.data_pipelines.refusion_batch import MASKINGS, build_refusion_batch, layout_seed
-from pardec.losses.refusion import MDM_NORMS, refusion_loss
+from pardec.data_pipelines.refusion_batch import Masking, build_refusion_batch, layout_seed
+from pardec.losses.refusion import MDMNorm, refusion_loss
 from pardec.methods.base import Method, forward_logits
 from pardec.methods.recipe_config import RecipeConfig
 from pardec.models.loading import add_mask_token
@@ -41,29 +42,29 @@ from pardec.models.loading import add_mask_token
 class ReFusionConfig(RecipeConfig):
     name: str = "refusion"
     # Slot sizes k drawn uniformly per sample (one value = fixed k).
-    slot_sizes: List[int] = field(default_factory=lambda: [4, 8, 16, 32])
+    slot_sizes: List[int] = ranged(default_factory=lambda: [4, 8, 16, 32], ge=1)
     # count (paper: exactly max(1, floor(t K)) slots) | bernoulli (official: per slot, p = t)
-    masking: str = "count"
+    masking: Masking = Masking.count
     # mean (paper: token mean over masked tokens) | llada (official: sum CE / p_mask / answer_len / B)
-    mdm_norm: str = "mean"
+    mdm_norm: MDMNorm = MDMNorm.mean
     # Probability that a sample keeps its clean slots in position order instead of permuting them
     # (beyond the paper, which always permutes: 0). Ordered clean slots are the state the decoder
     # sees when each step completes one slot (block_size = slot size).
-    in_order_prob: float = 0.0
+    in_order_prob: float = ranged(0.0, ge=0, le=1)
     # Probability that a sample's masked slots are moved to the end of its answer (same count),
     # beyond the paper (0). With in-order clean slots this is the semi-AR state the decoder plans
     # from: the first masked slot sees the answer before it and nothing after it.
-    suffix_mask_prob: float = 0.0
+    suffix_mask_prob: float = ranged(0.0, ge=0, le=1)
     # Also train the next-token target across a slot boundary where the next slot follows in the
     # buffer (prompt -> slot 0, clean slots kept in order): beyond the paper (false), whose L_ARM
     # never crosses a slot, so that slot starts keep the base's AR signal.
     ar_across_slots: bool = False
     # lambda in L = L_ARM + lambda * L_MDM.
-    mdm_lambda: float = 1.0
+    mdm_lambda: float = ranged(1.0, ge=0)
     # The slot size recorded in the export (decoder=refusion's default k).
-    export_slot_size: int = 16
+    export_slot_size: int = ranged(16, ge=1)
     # Seeds the per-sample layouts together with the step, micro-batch and dataset index.
-    seed: int = 0
+    seed: int = ranged(0, ge=0)
 
 
 class ReFusionMethod(Method):
@@ -73,19 +74,8 @@ class ReFusionMethod(Method):
 
     def __init__(self, cfg, tokenizer):
         super().__init__(cfg, tokenizer)
-        if not cfg.slot_sizes or any(int(k) < 1 for k in cfg.slot_sizes):
-            raise ConfigError(f"config key 'recipe.slot_sizes' = {list(cfg.slot_sizes)}; needs integers >= 1")
-        if cfg.masking not in MASKINGS:
-            raise ConfigError(f"config key 'recipe.masking' = {cfg.masking!r}; expected one of {MASKINGS}")
-        if cfg.mdm_norm not in MDM_NORMS:
-            raise ConfigError(f"config key 'recipe.mdm_norm' = {cfg.mdm_norm!r}; expected one of {MDM_NORMS}")
-        for key in ("in_order_prob", "suffix_mask_prob"):
-            if not 0 <= getattr(cfg, key) <= 1:
-                raise ConfigError(f"config key 'recipe.{key}' = {getattr(cfg, key)}; must be in [0, 1]")
-        if not cfg.mdm_lambda >= 0:
-            raise ConfigError(f"config key 'recipe.mdm_lambda' = {cfg.mdm_lambda}; must be >= 0")
-        if cfg.export_slot_size < 1:
-            raise ConfigError(f"config key 'recipe.export_slot_size' = {cfg.export_slot_size}; must be >= 1")
+        if not cfg.slot_sizes:
+            raise ConfigError("config key 'recipe.slot_sizes' is empty; give at least one slot size")
         self.mask_token_id: int | None = None
         self.pack_length: int | None = None
         self.step = 0

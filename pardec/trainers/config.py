@@ -175,7 +175,7 @@ def validate_train_config(cfg: DictConfig) -> DictConfig:
     try:
         recipe_node = OmegaConf.merge(OmegaConf.structured(recipe_schema(recipe_raw["name"])), recipe_raw)
     except OmegaConfBaseException as err:
-        raise ConfigError(f"invalid config under 'recipe': {_describe(err)}") from None
+        raise ConfigError(f"invalid config: {_describe(err, 'recipe.')}") from None
     OmegaConf.set_struct(merged, False)
     merged.recipe = recipe_node
     OmegaConf.set_struct(merged, True)
@@ -190,10 +190,10 @@ def validate_train_config(cfg: DictConfig) -> DictConfig:
     return merged
 
 
-def _describe(err: OmegaConfBaseException) -> str:
+def _describe(err: OmegaConfBaseException, prefix: str = "") -> str:
     key = getattr(err, "full_key", None)
     msg = str(err).splitlines()[0]
-    return f"key '{key}': {msg}" if key else msg
+    return f"key '{prefix}{key}': {msg}" if key else msg
 
 
 def _check_values(cfg: DictConfig) -> None:
