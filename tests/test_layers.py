@@ -20,6 +20,7 @@ LAYERS = {
     "methods": 4,
     "inference": 4,
     "trainers": 5,
+    "evaluation": 5,  # lm-evaluation-harness model and tasks (the optional eval extra)
     "cli": 6,
     "benchmarks": 6,
 }
