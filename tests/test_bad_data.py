@@ -204,3 +204,15 @@ def test_checkpoint_without_tokenizer_or_with_truncated_weights_is_named(tmp_pat
         check_max_positions(model_cfg(path=str(ck)), 8, "data.max_length=8")
     with pytest.raises(CheckpointError, match=named):
         load_model(model_cfg(path=str(ck)), tiny_tokenizer(), torch.float32, "sdpa")
+
+
+# ---- issue 40: errors that came late or unnamed -----------------------------------------------
+
+
+def test_chat_template_missing_from_the_tokenizer_names_data_template_before_any_data_work(tmp_path):
+    """data=jsonl (template chat) with the tiny model's tokenizer, which has no chat template: named
+    at start (the train file does not even exist, so the check runs before any data is read)."""
+    with pytest.raises(DataError, match=r"data.template=chat but the tokenizer has no chat template; set "
+                                        r"data.template=plain"):
+        run_in_process([f"output_dir={tmp_path}", "data=jsonl", f"data.train_files=[{tmp_path / 'absent.jsonl'}]",
+                        "trainer.max_steps=1"])

@@ -402,3 +402,17 @@ def test_fingerprint_names_a_changed_tokenizer_and_skips_old_checkpoints():
     dropped = run_fingerprint(data_cfg(), tokenized.select([0]), tokenizer_fingerprint(tok))
     with pytest.raises(DataError, match=r"tokenized training set changed \(2 -> 1 rows, 5 -> 3 tokens"):
         check_fingerprint({"fingerprint": after}, dropped, False, "ckpt")
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 40: errors that came late or unnamed
+
+
+@pytest.mark.parametrize("model", ["hf", "smollm2"])
+def test_model_config_override_of_an_hf_model_names_the_key(tmp_path, model):
+    """+model.config.<key> on an HF model failed inside Hydra (AssertionError: Unexpected type for root)."""
+    with pytest.raises(ConfigError, match=r"'model.config.hidden_size', 'model.config.rope_scaling.factor' set with "
+                                          r"model.path=.*a Hugging Face model's config comes from its checkpoint"):
+        compose_train([f"model={model}", f"model.path={tmp_path}", "+model.config.hidden_size=64",
+                       "+model.config.rope_scaling.factor=2"])
+    assert compose_train(["model=hf", f"model.path={tmp_path}"]).model.config is None  # {} in the YAML = unset

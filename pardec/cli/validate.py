@@ -30,7 +30,7 @@ from pardec.common.distributed import init_distributed, shutdown
 from pardec.common.errors import CheckpointError, ConfigError, DataError
 from pardec.common.model_card import EVAL_DIR, write_model_card
 from pardec.data_pipelines.sources import load_raw_split
-from pardec.data_pipelines.tokenize import check_prompt_unknown_rate
+from pardec.data_pipelines.tokenize import check_prompt_unknown_rate, resolve_template
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.config import ValidateConfig, validate_validate_config
 from pardec.inference.decoders.registry import auxiliary_checkpoints
@@ -53,6 +53,7 @@ def validate(cfg: DictConfig) -> None:
     ctx = init_distributed()
     try:
         model, tokenizer = load_checkpoint(cfg.checkpoint, cfg.device, cfg.dtype, cfg.attn_implementation)
+        resolve_template(tokenizer, cfg.data.template)  # chat without a chat template: named before data work
         auxiliary = {
             field: load_checkpoint(path, cfg.device, cfg.dtype)[0]
             for field, path in auxiliary_checkpoints(cfg.decoder).items()

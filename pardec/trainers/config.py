@@ -239,11 +239,16 @@ def _check_stages(cfg: DictConfig) -> None:
 def _check_model_config(cfg: DictConfig) -> None:
     """``model.config`` keys must be attributes the transformers config class knows: a key it would
     only store verbatim (a typo such as ``hiden_size``) is refused instead of reaching config.json."""
+    if cfg.model.config is not None and len(cfg.model.config) == 0:
+        cfg.model.config = None  # {} (model/hf.yaml: room for a +model.config.<key> override to be named) = unset
     if cfg.model.config is None:
         return
     if cfg.model.path is not None:
-        raise ConfigError("config keys 'model.path' and 'model.config' are both set; model.config would be ignored "
-                          "(set model.config=null to load model.path, or model.path=null to build from model.config)")
+        keys = ", ".join(f"'model.config.{k}'" for k in sorted(_flatten(OmegaConf.to_container(cfg.model.config))))
+        raise ConfigError(
+            f"config key(s) {keys} set with model.path={cfg.model.path}: a Hugging Face model's config comes from its "
+            f"checkpoint ({cfg.model.path}/config.json), so model.config would be ignored; model.config builds a small "
+            "random model instead (with model.path=null, e.g. model=tiny_qwen3). Drop the model.config override")
     raw = OmegaConf.to_container(cfg.model.config, resolve=True)
     model_type = raw.pop("model_type", None)
     if model_type is None:

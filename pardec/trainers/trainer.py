@@ -27,7 +27,7 @@ from pardec.common.distributed import DistInfo, all_reduce_mean, any_rank, barri
 from pardec.common.errors import CheckpointError, ConfigError
 from pardec.common.metadata import CheckpointMetadata
 from pardec.data_pipelines.sources import load_raw_split
-from pardec.data_pipelines.tokenize import tokenize_dataset
+from pardec.data_pipelines.tokenize import resolve_template, tokenize_dataset
 from pardec.methods.base import move_batch
 from pardec.methods.registry import build_method
 from pardec.models.loading import (
@@ -270,6 +270,7 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo, stop_dir: Path | None = No
     # 1. tokenizer, method and data (rank 0 first, so the datasets cache is written once)
     tokenizer = load_tokenizer(cfg.model, cfg.data)
     tokenizer_print = tokenizer_fingerprint(tokenizer)  # as loaded, before a recipe adds <|mask|>
+    resolve_template(tokenizer, cfg.data.template)  # data.template=chat without a chat template: named before data work
     method = build_method(cfg.recipe, tokenizer)
     check_max_positions(cfg.model, *method.max_positions(cfg.data))  # before any data work
     attn_impl = resolve_attn_implementation(cfg.model.attn_implementation, on_gpu, method.needs_custom_mask)
