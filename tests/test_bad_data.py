@@ -216,3 +216,20 @@ def test_chat_template_missing_from_the_tokenizer_names_data_template_before_any
                                         r"data.template=plain"):
         run_in_process([f"output_dir={tmp_path}", "data=jsonl", f"data.train_files=[{tmp_path / 'absent.jsonl'}]",
                         "trainer.max_steps=1"])
+
+
+def test_malformed_jsonl_names_the_line(tmp_path):
+    """A missing comma on line 3, a line that is a list, and a .json document cut short: each named by
+    file, line and column (the reader's own message gave a character position at best)."""
+    good = json.dumps(GOOD)
+    bad = tmp_path / "train.jsonl"
+    bad.write_text(f"{good}\n{good}\n{good[:-1]}\n{good}\n")
+    with pytest.raises(DataError, match=rf"could not read {re.escape(str(bad))}: line 3, column {len(good)}: "):
+        load_raw_split(data_cfg(source="files", train_files=[str(bad)]), "train")
+    bad.write_text(f"{good}\n\n[1, 2]\n")
+    with pytest.raises(DataError, match=r"line 3: a JSON list, not an object"):
+        load_raw_split(data_cfg(source="files", train_files=[str(bad)]), "train")
+    doc = tmp_path / "train.json"
+    doc.write_text(json.dumps([GOOD] * 3, indent=1)[:-3])
+    with pytest.raises(DataError, match=r"train.json: line 1[0-9], column \d+: "):
+        load_raw_split(data_cfg(source="files", train_files=[str(doc)]), "train")

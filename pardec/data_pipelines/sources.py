@@ -12,11 +12,13 @@ without ``response``, a parquet column of ints or lists) is named by file (or hu
 row and field instead of failing inside the tokenizer. Empty strings are allowed: an empty prompt
 is plain text to continue, and empty responses are counted (and, when the method trains on
 responses, an all-empty training set refused) by ``pardec.data_pipelines.tokenize``. Several files of a
-split are loaded one by one, so a bad row is named with its own file and its row in that file.
+split are loaded one by one, so a bad row is named with its own file and its row in that file; a
+JSON-lines or JSON file that does not parse is named with the line and column where it stops.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -82,7 +84,8 @@ def _load_files(data_cfg, split: str) -> datasets.Dataset:
         try:
             ds = datasets.load_dataset(builder, data_files=[f], split="train")
         except Exception as err:  # datasets raises many types for malformed files
-            raise DataError(f"{key}: could not read {f}: {err}") from err
+            where = _json_error(Path(f)) if builder == "json" else None
+            raise DataError(f"{key}: could not read {f}: {where or err}") from err
         if builder == "text":
             ds = ds.rename_column("text", "response").add_column("prompt", [""] * len(ds))
         else:
@@ -96,6 +99,36 @@ def _load_files(data_cfg, split: str) -> datasets.Dataset:
     except ValueError as err:
         columns = "; ".join(f"{f}: {dict(part.features)}" for f, part in zip(files, parts))
         raise DataError(f"{key}: the files' columns do not match ({columns}): {err}") from err
+
+
+def _json_error(path: Path) -> str | None:
+    """Where a JSON-lines (or ``.json``) file stops parsing, as ``line N, column C: <what>`` (1-based),
+    or None when it parses (the reader failed for another reason). A ``.json`` file may also be one
+    JSON document spanning many lines; it is located as such when its first line is not a JSON object."""
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+        try:
+            text = raw.decode("utf-8")
+            value = json.loads(text) if text.strip() else {}
+        except UnicodeDecodeError as err:
+            problem = f"line {number}: not UTF-8 ({err.reason} at byte {err.start} of the line)"
+        except json.JSONDecodeError as err:
+            problem = f"line {number}, column {err.colno}: {err.msg}"
+        else:
+            if isinstance(value, dict):
+                continue
+            problem = f"line {number}: a JSON {type(value).__name__}, not an object"
+        break
+    else:
+        return None
+    if path.suffix.lower() != ".json" or number != 1:
+        return problem
+    try:  # not JSON lines from the first line on: one document
+        json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        return problem
+    except json.JSONDecodeError as err:
+        return f"line {err.lineno}, column {err.colno}: {err.msg}"
+    return None
 
 
 def _load_hub(data_cfg, split: str) -> datasets.Dataset:
