@@ -81,7 +81,7 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> tuple[PreTraine
         raise UnsupportedModelError(
             f"{path}: GGUF architecture {summary.architecture!r} is read by transformers as {type(config).__name__}, "
             f"which has no causal LM class")
-    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config, dtype=torch.float32)
     plain_config = copy.deepcopy(loaded.config)
     del plain_config.quantization_config
     model = AutoModelForCausalLM.from_config(plain_config, dtype=torch.float32)
