@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from pardec.common.metadata import CheckpointMetadata
 from pardec.common.model_card import MARKER, write_model_card
 from pardec.trainers.export import export_hf
 from tests.conftest import tiny_model, tiny_tokenizer, write_eval_jsonl
+from tests.train_utils import FAST, save_tiny_base
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -76,3 +78,15 @@ def test_a_readme_pardec_did_not_write_is_kept(tmp_path):
     (out / "README.md").write_text("# The author's own card\n")
     assert write_model_card(out) is None
     assert (out / "README.md").read_text() == "# The author's own card\n"
+
+
+def test_training_records_its_command_and_base_model(tmp_path):
+    base = save_tiny_base(tmp_path / "base")
+    overrides = [*FAST, f"output_dir={tmp_path / 'run'}", "trainer.max_steps=1", "model=hf", f"model.path={base}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pardec.cli.train", *overrides], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    meta = CheckpointMetadata.read(tmp_path / "run" / "hf")
+    assert (meta.command, meta.base_model) == (shlex.join(["pardec-train", *overrides]), str(base))
+    assert f"```bash\n{meta.command}\n```" in (tmp_path / "run" / "hf" / "README.md").read_text()

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from pardec.common.distributed import DistInfo, all_reduce_mean, any_rank, barrier, init_distributed
 from pardec.common.errors import CheckpointError, ConfigError
 from pardec.common.metadata import CheckpointMetadata
+from pardec.common.model_card import command_line
 from pardec.data_pipelines.sources import load_raw_split
 from pardec.data_pipelines.tokenize import resolve_template, tokenize_dataset
 from pardec.methods.base import move_batch
@@ -335,7 +336,8 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo, stop_dir: Path | None = No
         engine.train()
 
     def export(name: str) -> Path:
-        CheckpointMetadata.of_model(engine.module).updated(**method.export_metadata()).write_to(engine.module)
+        record = CheckpointMetadata.of_model(engine.module)
+        record.updated(**method.export_metadata(), base_model=cfg.model.path, command=_command()).write_to(engine.module)
         return export_hf(engine.module, tokenizer, run_dir / name, cfg.deepspeed.stage, dist_info.rank)
 
     # 4. the loop
@@ -418,6 +420,16 @@ def _eval_rows(cfg: DictConfig):
         return None
     rows = load_raw_split(cfg.data, "eval")
     return rows.select(range(min(cfg.eval.num_samples, len(rows))))
+
+
+def _command() -> str | None:
+    """``pardec-train`` with this run's command-line overrides, for the export's metadata and model card
+    (None when Hydra did not start the run, e.g. a test calling :func:`run_recipe`)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return command_line("pardec-train", HydraConfig.get().overrides.task)
 
 
 def configure_logging(is_main: bool) -> None:
