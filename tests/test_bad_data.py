@@ -29,7 +29,7 @@ from pardec.methods.idlm import IDLMConfig, IDLMMethod
 from pardec.methods.jacobi_forcing import JacobiForcingConfig, JacobiForcingMethod
 from pardec.models.loading import check_max_positions, load_model, load_tokenizer
 from tests.conftest import data_cfg, save_checkpoint, synthetic_tokenizer, tiny_model, tiny_tokenizer
-from tests.train_utils import run_in_process
+from tests.train_utils import compose_train, run_in_process
 from pardec.trainers.config import ModelConfig
 
 torch.set_num_threads(1)
@@ -140,8 +140,8 @@ def test_unknown_token_rate_is_logged_and_limited(tokenizer, caplog):
     with caplog.at_level(logging.INFO, logger="pardec.data_pipelines.tokenize"):
         tokenize_dataset(raw([ascii_row[0]], [ascii_row[1]]), tokenizer, data_cfg(), split="eval")
     assert "eval: 0 of " in caplog.text
-    with pytest.raises(ConfigError, match="data.max_unk_rate"):
-        tokenize_dataset(ds, tokenizer, data_cfg(max_unk_rate=2.0))
+    with pytest.raises(ConfigError, match=r"'data\.max_unk_rate' = 2\.0; expected in \[0, 1\]"):
+        compose_train(["data.max_unk_rate=2.0"])  # its declared range, checked at start
     # Validation's eval split: its prompts, as decoding encodes them.
     with pytest.raises(DataError, match=r"^eval: .*first in row 1: 'Frage' in the prompt.*data.max_unk_rate=0.01"):
         check_prompt_unknown_rate(ds, tokenizer, data_cfg())

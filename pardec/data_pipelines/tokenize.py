@@ -33,7 +33,7 @@ import logging
 import datasets
 import pyarrow.compute as pc
 
-from pardec.common.errors import ConfigError, DataError
+from pardec.common.errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -164,8 +164,6 @@ def check_unknown_rate(tokenized: datasets.Dataset, raw: datasets.Dataset, token
     if unk is None:
         return None
     max_rate = data_cfg.max_unk_rate
-    if max_rate is not None and not 0 <= max_rate <= 1:
-        raise ConfigError(f"config key 'data.max_unk_rate' = {max_rate}; expected a fraction in [0, 1] or null")
     ids = tokenized.with_format("arrow")["input_ids"].combine_chunks()  # one list per row
     hits = pc.equal(ids.flatten(), unk)
     n_unk, total = pc.sum(hits).as_py() or 0, len(hits)
