@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 import hydra
-from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
@@ -31,14 +30,14 @@ from pardec.common.errors import CheckpointError, ConfigError, DataError
 from pardec.common.model_card import EVAL_DIR, write_model_card
 from pardec.data_pipelines.sources import load_raw_split
 from pardec.data_pipelines.tokenize import check_prompt_unknown_rate, resolve_template
-from pardec.inference.checkpoint import load_checkpoint
-from pardec.inference.config import ValidateConfig, validate_validate_config
-from pardec.inference.decoders.registry import auxiliary_checkpoints
+from pardec.inference.checkpoint import load_for_decoding
+from pardec.inference.compose import register_validate_schema
+from pardec.inference.config import validate_validate_config
 from pardec.inference.evaluate import evaluate
 from pardec.inference.metrics import format_markdown
 
 # The schema is the first default of pardec/recipes/validate.yaml: unknown keys fail while composing.
-ConfigStore.instance().store(name="validate_schema", node=ValidateConfig)
+register_validate_schema()
 
 
 @hydra.main(config_path="../recipes", config_name="validate", version_base="1.3")
@@ -52,12 +51,8 @@ def validate(cfg: DictConfig) -> None:
         sys.exit(f"config error: {err}")
     ctx = init_distributed()
     try:
-        model, tokenizer = load_checkpoint(cfg.checkpoint, cfg.device, cfg.dtype, cfg.attn_implementation)
+        model, tokenizer, auxiliary = load_for_decoding(cfg)
         resolve_template(tokenizer, cfg.data.template)  # chat without a chat template: named before data work
-        auxiliary = {
-            field: load_checkpoint(path, cfg.device, cfg.dtype)[0]
-            for field, path in auxiliary_checkpoints(cfg.decoder).items()
-        }
         eval_set = load_raw_split(cfg.data, "eval")
         check_prompt_unknown_rate(eval_set, tokenizer, cfg.data, "eval")
         result = evaluate(
