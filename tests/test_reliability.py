@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import datasets
@@ -416,3 +419,26 @@ def test_model_config_override_of_an_hf_model_names_the_key(tmp_path, model):
         compose_train([f"model={model}", f"model.path={tmp_path}", "+model.config.hidden_size=64",
                        "+model.config.rope_scaling.factor=2"])
     assert compose_train(["model=hf", f"model.path={tmp_path}"]).model.config is None  # {} in the YAML = unset
+
+
+def test_top_level_setting_every_stage_replaces_is_refused_and_a_partial_one_announced(tmp_path, caplog):
+    """recipe=idlm trainer.max_steps=2 trained the stages' 200 + 200 + 400 steps: a command-line setting
+    that every stage replaces is refused naming both keys (through the CLI too); one that only some
+    stages replace is logged; values from the YAML defaults are not settings the user gave."""
+    with pytest.raises(ConfigError, match=r"'trainer.max_steps' = 2 \(given on the command line\) is replaced in every "
+                                          r"stage of recipe=idlm: recipe.stages\[0\].max_steps = 200, recipe.stages\[1\]"
+                                          r".max_steps = 200, recipe.stages\[2\].max_steps = 400"):
+        compose_train(["recipe=idlm", "trainer.max_steps=2"])
+    with pytest.raises(ConfigError, match=r"'recipe.stride' = 3 .*recipe.stages\[2\].overrides.stride = 4"):
+        compose_train(["recipe=idlm", "recipe.stride=3"])
+    with caplog.at_level(logging.INFO):
+        compose_train(["recipe=idlm", "recipe.stride=3",
+                       "recipe.stages=[{name: a, max_steps: 1, overrides: {stride: 2}}, {name: b, max_steps: 1}]"])
+    assert "'recipe.stride' = 3 applies to stage(s) b; recipe.stages[0].overrides.stride = 2 replace(s) it" in caplog.text
+    compose_train(["recipe=idlm"])
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pardec.cli.train", "recipe=idlm", "trainer.max_steps=2",
+                           f"output_dir={tmp_path}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "'trainer.max_steps' = 2 (given on the command line)" in proc.stderr
+    assert not (tmp_path / "stages").exists()

@@ -33,7 +33,7 @@ def compose_train(overrides: list[str], validate: bool = True):
     register_schema()
     with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
-    return validate_train_config(cfg) if validate else cfg
+    return validate_train_config(cfg, overrides) if validate else cfg
 
 
 def run_in_process(overrides: list[str]):

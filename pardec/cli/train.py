@@ -19,6 +19,7 @@ import os
 import sys
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from pardec.common.errors import ConfigError, PardecError
@@ -39,7 +40,7 @@ def train(cfg: DictConfig) -> None:
 
     configure_logging(os.environ.get("RANK", "0") == "0")
     try:
-        cfg = validate_train_config(cfg)
+        cfg = validate_train_config(cfg, HydraConfig.get().overrides.task)
     except ConfigError as err:
         sys.exit(f"config error: {err}")
     try:

@@ -9,6 +9,8 @@ full name. The ``recipe`` node is validated against the dataclass its ``name`` s
 from __future__ import annotations
 
 import difflib
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -21,6 +23,8 @@ from pardec.common.errors import ConfigError
 from pardec.data_pipelines.config import DataConfig
 from pardec.models.loading import DType, check_attn_implementation
 from pardec.trainers.checkpoint import OnExisting
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -157,8 +161,9 @@ def register_schema() -> None:
 
 
 
-def validate_train_config(cfg: DictConfig) -> DictConfig:
-    """Merge the composed Hydra config into the schema; unknown/mistyped keys raise ConfigError."""
+def validate_train_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> DictConfig:
+    """Merge the composed Hydra config into the schema; unknown/mistyped keys raise ConfigError.
+    ``overrides``: the command line's (Hydra's task overrides), for :func:`_check_stage_shadowing`."""
     from pardec.methods.registry import recipe_schema
 
     raw = OmegaConf.to_container(cfg, resolve=False)
@@ -182,6 +187,7 @@ def validate_train_config(cfg: DictConfig) -> DictConfig:
     check_config(merged)
     _check_values(merged)
     _check_stages(merged)
+    _check_stage_shadowing(merged, overrides)
     _check_model_config(merged)
     _check_eval_decoder(merged)
     from pardec.trainers.deepspeed_config import check_deepspeed_config
@@ -234,6 +240,43 @@ def _check_stages(cfg: DictConfig) -> None:
             check_config(recipe, "recipe")
         except ConfigError as err:
             raise ConfigError(f"{where} ({stage.get('name', i)!r}): {err}") from None
+
+
+def _check_stage_shadowing(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """A setting given on the command line that ``recipe.stages`` override (``trainer.max_steps`` by a
+    stage's ``max_steps``, ``recipe.<key>`` by its ``overrides``) is refused when every stage overrides
+    it, since it would apply nowhere (``recipe=idlm trainer.max_steps=2`` trained the stages' 800 steps),
+    and announced (logged) when only some do: it is then the value of the other stages, a deliberate
+    use. Refused rather than announced in the first case because nothing of it would take effect and the
+    mistake costs a whole run; only command-line settings count, as the composed config cannot tell a
+    default (train.yaml's trainer.max_steps) from a choice."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    stages = list(cfg.recipe.get("stages") or [])
+    if not stages or not overrides:
+        return
+    given = sorted({o.key_or_group for o in OverridesParser.create().parse_overrides(list(overrides))
+                    if not o.is_delete()})
+    for key in given:
+        if key == "trainer.max_steps":
+            by = {i: f"recipe.stages[{i}].max_steps = {st['max_steps']}" for i, st in enumerate(stages) if "max_steps" in st}
+        elif key.startswith("recipe.") and key.split(".")[1] != "stages":
+            sub = key[len("recipe."):]
+            by = {i: f"recipe.stages[{i}].overrides.{k} = {v}" for i, st in enumerate(stages)
+                  for k, v in (st.get("overrides") or {}).items() if k == sub or sub.startswith(k + ".") or k.startswith(sub + ".")}
+        else:
+            continue
+        if not by:
+            continue
+        value = OmegaConf.select(cfg, key)
+        if len(by) == len(stages):
+            raise ConfigError(
+                f"config key '{key}' = {value} (given on the command line) is replaced in every stage of recipe="
+                f"{cfg.recipe.name}: " + ", ".join(by.values()) + f"; it would apply nowhere. Set the stages' own "
+                f"values instead (recipe.stages=[...]) or drop {key}")
+        names = [stages[i].get("name", f"stage{i}") for i in range(len(stages)) if i not in by]
+        log.info("config key '%s' = %s applies to stage(s) %s; %s replace(s) it in the others", key, value,
+                 ", ".join(names), ", ".join(by.values()))
 
 
 def _check_model_config(cfg: DictConfig) -> None:
