@@ -339,3 +339,19 @@ def test_repeats_and_padding_copies(checkpoints, rows):
     first, second, _padding = lm.generate_until([request, request, request])
     assert first != second
     assert lm.decoder_stats()["toy"]["num_samples"] == 2
+
+
+def test_sampling_request_keys_are_reported_once_as_ignored(checkpoints, rows, caplog):
+    lm = pardec_lm(checkpoints["random"])
+    greedy = {"until": [], "max_gen_toks": 2, "do_sample": False, "temperature": 0.0}
+    sampled = {"until": [], "max_gen_toks": 2, "do_sample": True, "top_p": 0.9}
+
+    def ours():
+        return [r for r in caplog.records if r.name == "pardec.evaluation.model"]
+
+    lm.generate_until(requests(rows[:1], greedy))
+    assert not ours()
+    lm.generate_until(requests(rows[:2], sampled))
+    lm.generate_until(requests(rows[:1], sampled))
+    [warning] = ours()
+    assert "'do_sample': True" in warning.getMessage() and "'top_p': 0.9" in warning.getMessage()

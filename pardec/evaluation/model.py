@@ -10,11 +10,11 @@ command does not know ``pardec``)::
 From Python, importing this module registers the model: ``lm_eval.simple_evaluate(model="pardec",
 model_args="checkpoint=...,decoder=...", ...)``, or pass a :class:`PardecLM` instance.
 
-**model_args.** ``checkpoint`` (required, a local export) and ``decoder`` (a ``pardec-validate decoder=<choice>``
-preset of ``pardec/recipes/decoder/``, default ``ar_greedy``); ``device``, ``dtype``, ``attn_implementation``
-and ``add_bos`` are validation's keys of those names; ``max_length`` is lm-eval's token budget (context plus
-generation; default the model's positions); every other key is a decoder key (``block_size=16`` is
-validation's ``decoder.block_size=16``). The config is composed as ``pardec-validate`` composes it
+**model_args.** ``checkpoint`` (required, a local export) and ``decoder`` (a ``pardec-validate
+decoder=<choice>`` preset of ``pardec/recipes/decoder/``, default ``ar_greedy``); ``device``, ``dtype``,
+``attn_implementation`` and ``add_bos`` are validation's keys of those names; ``max_length`` is lm-eval's
+token budget (context plus generation; default the model's positions); every other key is a decoder key
+(``block_size=16`` is validation's ``decoder.block_size=16``). The config is composed as ``pardec-validate`` composes it
 (:func:`pardec.inference.compose.compose_validate_config`), the checkpoint and the decoder's auxiliary models
 are loaded as validation loads them (:func:`pardec.inference.checkpoint.load_for_decoding`), so defaults and
 errors are validation's (a decoder that cannot decode the checkpoint's kind is refused before anything is
@@ -30,8 +30,9 @@ becomes ``decoder.max_new_tokens``. Decoders stop where HF's ``generate`` stops 
 config's EOS ids and the stop strings that are one special token (the EOS text lm-eval adds, ``<|im_end|>``);
 the other stop strings are applied afterwards exactly where lm-eval's HF model stops and cuts
 (:mod:`pardec.evaluation.stopping`). Validation also stops at a chat template's end-of-turn token; HF, and so
-this model, only when it is one of those. Sampling is the decoder's choice (``decoder=ar_sample,temperature=0.7``):
-request keys such as ``do_sample=true`` or ``top_p`` are reported once as ignored. Document ``d`` (repeat 0)
+this model, only when it is one of those. Sampling is the decoder's choice
+(``decoder=ar_sample,temperature=0.7``): request keys such as ``do_sample=true`` or ``top_p`` are reported
+once as ignored. Document ``d`` (repeat 0)
 is decoded with seed index ``d``, as validation decodes eval row ``d``; repeat ``r`` uses ``d + r * 2**32``.
 
 **loglikelihood, loglikelihood_rolling.** lm-eval's HF implementation on the loaded model, for checkpoints
@@ -40,9 +41,9 @@ with an AR head: the checkpoint kinds (:attr:`pardec.common.metadata.CheckpointM
 exports: causal attention and a next-token loss on clean text; the ``<|mask|>`` logit stays at -inf as
 loaded, so the distribution is over the original vocabulary). An MDM export (``mdm-bidirectional``,
 ``mdm-block``) predicts masked tokens, not the next token of a clean prefix: these requests raise a
-:class:`CheckpointError` naming the checkpoint and its kind. An MDM therefore runs generation tasks (``gsm8k``, ``humaneval``, ``mbpp``, ``minerva_math``,
-``ifeval``, ``pardec_synthetic_gsm``) and not multiple-choice or perplexity tasks (``mmlu``, ``hellaswag``,
-``arc_*``, ``wikitext``).
+:class:`CheckpointError` naming the checkpoint and its kind. An MDM therefore runs generation tasks
+(``gsm8k``, ``humaneval``, ``mbpp``, ``minerva_math``, ``ifeval``, ``pardec_synthetic_gsm``), not
+multiple-choice or perplexity tasks (``mmlu``, ``hellaswag``, ``arc_*``, ``wikitext``).
 
 **Decoder stats.** Per task, validation's aggregates over the generated requests
 (:func:`pardec.inference.metrics.compute_metrics`: ``tpf``, ``nfe``, ``nfe_per_sample``, ``tps``,
@@ -50,10 +51,11 @@ loaded, so the distribution is over the original vocabulary). An MDM export (``m
 flip-flops of the MDM decoders, ISD acceptance, ...), counted on the decoder's whole output (forwards
 spent past a text stop string included), never on lm-eval's padding copies. They are printed after the
 generation and returned by :meth:`PardecLM.get_model_info`, which lm-eval merges into the ``config`` of its
-results, so they are written in the results file under ``config.pardec.decoder_stats``
-(``<output_path>/<checkpoint path with / as __>/results_<date>.json``).
+results, so they are written in the results file under ``config.pardec.decoder_stats.<task>``
+(``--output_path run.json`` writes ``run_<date>.json``; a directory gets ``<dir>/<name>/results_<date>.json``
+with a random ``<name>``, lm-eval naming it after a ``pretrained=`` argument, which this model has not).
 
-**Multi-GPU: lm-eval's own data parallelism**, launched with ``torchrun`` (or ``accelerate launch``)::
+**Multi-GPU: lm-eval's own data parallelism**, launched with ``torchrun``::
 
     torchrun --nproc_per_node 8 -m pardec.cli.lm_eval_harness --model pardec --model_args ... --tasks gsm8k
 
@@ -155,7 +157,7 @@ class PardecLM(HFLM):
         self.decoder_choice = decoder
         self.decoder_cfg = replace(decoder_config(self.cfg.decoder), batch_size=int(batch_size))
         self.metadata = CheckpointMetadata.of_model(model)
-        check_checkpoint_kind(self.decoder_cfg.name, self.metadata, model_where(model))  # as validation, before decoding
+        check_checkpoint_kind(self.decoder_cfg.name, self.metadata, model_where(model))  # as validation does
         self.records: dict[str, list[dict[str, Any]]] = defaultdict(list)  # rank 0: every rank's, per task
         self.warned_gen_kwargs: set[str] = set()
 
