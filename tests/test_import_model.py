@@ -50,7 +50,8 @@ def smollm_style_tokenizer() -> Tokenizer:
 
 def to_llama_cpp_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf row order for q/k projections (rotary halves interleaved per head)."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    halves = weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+    return halves.swapaxes(1, 2).reshape(weight.shape)
 
 
 def write_tiny_gguf(path: Path, architecture: str = "llama"):
@@ -156,7 +157,8 @@ def test_tokenizer_round_trips_with_chat_template(tiny):
         assert ids == tok.encode(text).ids, text  # "x  12": the digit-isolating split ("smollm") is kept
         assert exported.decode(ids) == text
     assert exported.chat_template == TEMPLATE
-    prompt = exported.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    prompt = exported.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                          add_generation_prompt=True)
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert (exported.bos_token, exported.eos_token, exported.pad_token) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
 

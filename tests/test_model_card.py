@@ -41,8 +41,9 @@ def front_matter(card: str) -> dict:
 def test_export_writes_a_card_with_command_and_metadata(tmp_path):
     out, meta, params = export(tmp_path / "hf", base_model="Qwen/Qwen3-0.6B")
     card = (out / "README.md").read_text()
-    assert front_matter(card) == {"license": "apache-2.0", "base_model": "Qwen/Qwen3-0.6B", "library_name": "transformers",
-                                  "pipeline_tag": "text-generation", "tags": ["pardec", "jacobi_forcing"]}
+    assert front_matter(card) == {"license": "apache-2.0", "base_model": "Qwen/Qwen3-0.6B",
+                                  "library_name": "transformers", "pipeline_tag": "text-generation",
+                                  "tags": ["pardec", "jacobi_forcing"]}
     assert MARKER in card and "| method | pardec recipe `jacobi_forcing`" in card
     assert f"```bash\n{meta.command}\n```" in card
     assert f"| parameters | {params:,} |" in card and "| layers | 2 |" in card

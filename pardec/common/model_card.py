@@ -88,7 +88,10 @@ def _title(meta: CheckpointMetadata, config: dict) -> str:
 
 
 def _provenance(meta: CheckpointMetadata) -> list[tuple[str, str]]:
-    base = f"`{meta.base_model}`" if meta.base_model else "not recorded" if meta.source else "none (random initialisation)"
+    if meta.base_model:
+        base = f"`{meta.base_model}`"
+    else:
+        base = "not recorded" if meta.source else "none (random initialisation)"
     rows = [("base model", base)]
     rows.append(("method", f"pardec recipe `{meta.recipe}` (docs/methods/ in the pardec repository)" if meta.recipe
                  else "none: the weights as imported" if meta.source else "none recorded"))
