@@ -7,12 +7,25 @@ the token under test; every other query would then lose the seeds' context, so t
 every layer's keys/values are *overridden* with the K/V the same positions had at the previous step
 (computed from their tokens). A seed's own verifying query must not see that cached K/V (it encodes
 the very token being verified): for it the seed's column is restored to the K/V computed from the
-masked input. Rather than a second attention pass, the restored column is applied in closed form
-(paper App. B, Lemma B.1): changing one score ``s_ri`` by ``delta`` rescales the row,
+masked input.
 
-    ratio = 1 + alpha * (exp(delta) - 1)        alpha = w_ri under the override
-    w'_rj = w_rj / ratio  (j != i)              w'_ri = alpha * exp(delta) / ratio
-    o'_r  = (o_r + alpha * (exp(delta) * v_i - v'_i)) / ratio
+The paper applies the restored column in closed form (App. B, Lemma B.1): changing one score
+``s_ri`` by ``delta`` rescales the row by ``ratio = 1 + alpha * (exp(delta) - 1)`` (``alpha`` the
+column's weight under the override). Exact in real arithmetic, it fails in floating point once
+attention is peaked, as in pretrained models (attention sinks, retrieval heads): when the seed
+column holds nearly all of the row's mass (``alpha`` -> 1) the rest of the row, ``1 - alpha``, is lost
+to rounding (in fp32 ``ratio`` cancels to 0 for ``delta`` below about -17: NaN, or wrong values a
+little above), ``exp(delta)`` overflows for ``delta`` > 88.7, and a column the mask hides gives
+``0 * inf``. A log-space normaliser (``log Z' = logsumexp`` of the cached ``log Z`` and the seed's
+two logits) removes the overflow but not the cancellation: it needs ``Z - exp(s_ri)``, the same lost
+remainder. So the verifying rows' softmax is **recomputed from their scores** instead: before the
+(single) softmax, each seed's verifying row gets the restored logit ``q_r . k_i * scale`` (plus the
+mask) at column i, and after the value product that row's output takes ``v_i`` instead of ``v'_i`` at
+column i (``o_r += w_ri * (v_i - v'_i)``: no division, rounding as in the product itself). That is the
+second attention pass itself for those rows: as exact as the main pass for any scores, in fp32 and
+bf16 (computed in fp32), and a column the mask hides gets weight 0 there as everywhere else. Beside
+the pass it costs ``n_seeds * h * d`` for the restored logits and as much for the value change (the
+closed form also rescaled ``n_seeds * h * kv`` weights).
 
 Which row verifies seed column i follows the model's logit-shift convention: without a shift the
 query at i predicts position i (row i, the diagonal); with a shift (``shift=1``, this framework's
@@ -25,7 +38,7 @@ Which queries see ``cached`` at a seed column (``KVOverrideStep.cached_for``):
   every query but the verifying row sees ``cached``, the verifying row this forward's (mask) K/V.
 - :data:`VERIFIERS` (the mirror, for shifted models): the input holds the seed's token,
   ``cached`` holds mask-derived K/V of the seed column; only the verifying row sees ``cached``,
-  every other query this forward's (token) K/V. Both are the same closed form with the roles of
+  every other query this forward's (token) K/V. Both are the same recomputation with the roles of
   the two memories swapped.
 
 Use: register once (:func:`register`), switch the model to :data:`KV_OVERRIDE` (a decoder does so
@@ -119,32 +132,30 @@ def kv_override_attention(
         else:
             k_row, v_row = k_swap, v_swap
 
-    # 2. Attention over what every query sees.
+    # 2. Scores of what every query sees.
     scores = torch.matmul(q, k_all.transpose(-1, -2)) * scale  # [b, h, q, kv]
     if attention_mask is not None:
         scores = scores + attention_mask.float()
-    weights = torch.softmax(scores, dim=-1)  # [b, h, q, kv]
-    out = torch.matmul(weights, v_all)  # [b, h, q, d]
 
-    # 3. Closed-form correction of each seed's verifying row r = i - shift: column i from k_row, v_row.
+    # 3. Each seed's verifying row r = i - shift gets column i's logit from k_row (plus the mask) before the softmax.
     if override:
         batch_idx, col = step.seeds.nonzero(as_tuple=True)  # [n], [n]
         row = col - step.shift - offset  # [n] query index of the verifying row
         keep = (row >= 0) & (row < q_len)
         batch_idx, col, row = batch_idx[keep], col[keep], row[keep]
-        if batch_idx.numel():
-            q_r = q[batch_idx, :, row]  # [n, h, d]
-            delta = ((q_r * (k_row[batch_idx, :, col] - k_all[batch_idx, :, col])).sum(-1) * scale)  # [n, h]
-            alpha = weights[batch_idx, :, row, col]  # [n, h]
-            grow = torch.exp(delta)  # [n, h]
-            ratio = 1 + alpha * (grow - 1)  # [n, h]
-            shift_v = (grow.unsqueeze(-1) * v_row[batch_idx, :, col] - v_all[batch_idx, :, col])  # [n, h, d]
-            out[batch_idx, :, row] = (out[batch_idx, :, row] + alpha.unsqueeze(-1) * shift_v) / ratio.unsqueeze(-1)
-            new_row = weights[batch_idx, :, row] / ratio.unsqueeze(-1)  # [n, h, kv]
-            new_row[torch.arange(col.numel()), :, col] = alpha * grow / ratio
-            weights[batch_idx, :, row] = new_row
+        restored = (q[batch_idx, :, row] * k_row[batch_idx, :, col]).sum(-1) * scale  # [n, h]
+        if attention_mask is not None:
+            restored = restored + attention_mask.expand_as(scores)[batch_idx, :, row, col].float()
+        scores[batch_idx, :, row, col] = restored
 
-    # 4. Keep one layer's head-averaged probabilities (COVER's seed scoring).
+    # 4. Softmax and values; the verifying rows' column i takes v_row's value instead of v_all's.
+    weights = torch.softmax(scores, dim=-1)  # [b, h, q, kv]
+    out = torch.matmul(weights, v_all)  # [b, h, q, d]
+    if override:
+        seed_weight = weights[batch_idx, :, row, col].unsqueeze(-1)  # [n, h, 1]
+        out[batch_idx, :, row] += seed_weight * (v_row[batch_idx, :, col] - v_all[batch_idx, :, col])  # [n, h, d]
+
+    # 5. Keep one layer's head-averaged probabilities (COVER's seed scoring).
     if step is not None and step.attention_layer == layer:
         step.attention = weights.mean(dim=1)  # [b, q, kv]
     return out.transpose(1, 2).contiguous().to(query.dtype), None
