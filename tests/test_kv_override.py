@@ -1,10 +1,15 @@
-"""KV-override attention (COVER): the closed-form correction against an explicit second attention
-pass, per query row, for shift 0 and 1, the cache seen by the other queries (the paper) or by the
-verifying rows only (the mirror), grouped-query attention, a block mask, padding and a query range
-shorter than the keys; a cache equal to the current K/V changes nothing; a whole model runs
-under it and is restored afterwards."""
+"""KV-override attention (COVER): the correction against an explicit second attention pass (every
+query row gets its own K/V memory, plain softmax over explicit scores), for shift 0 and 1, the cache
+seen by the other queries (the paper) or by the verifying rows only (the mirror), grouped-query
+attention, a block mask, padding and a query range shorter than the keys; the same for peaked
+attention (score spread up to 16, a planted attention sink, the failing cases of issue 36 as
+literal examples) in fp32 and bf16; a cache equal to the current K/V changes nothing; a whole model
+runs under it and is restored afterwards, and a COVER decode of a model with peaked attention stays
+finite in every layer and matches the explicit reference decode."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -12,6 +17,8 @@ import torch
 from pardec.masks.core import additive_mask
 from pardec.models.kv_override import KV_OVERRIDE, OTHERS, VERIFIERS, KVOverrideStep, kv_override_attention, register
 from tests.conftest import tiny_model
+from tests.test_cover_decoder import B, L, cover, reference_cover
+from tests.test_mdm_decoders import PROMPTS, mdm_model
 
 
 class Layer(torch.nn.Module):
@@ -21,28 +28,28 @@ class Layer(torch.nn.Module):
 
 
 def explicit_two_pass(q, k, v, cached_k, cached_v, seeds, mask, shift, scale, cached_for=OTHERS):
-    """Row by row: OTHERS, the override memory (seed columns from the cache), except that the row
-    verifying seed i (row i - shift) sees column i from the current K/V; VERIFIERS, the current K/V
-    except that the verifying row sees column i from the cache. Plain softmax attention per row."""
+    """Every query row with its own K/V memory: OTHERS, the override memory (seed columns from the
+    cache), except that the row verifying seed i (row i - shift) sees column i from the current K/V;
+    VERIFIERS, the current K/V except that the verifying row sees column i from the cache. Plain
+    softmax over explicit scores, in float64. Returns ``(out [b, h, q, d], probabilities [b, h, q, kv])``."""
     b, h, q_len, _ = q.shape
     h_kv, kv_len = k.shape[1], k.shape[2]
-    rep = h // h_kv
     offset = kv_len - q_len
-    out = torch.zeros(b, h, q_len, v.shape[-1], dtype=torch.float64)
+    sees_cache = torch.zeros(b, q_len, kv_len, dtype=torch.bool)  # [b, q, kv]: row r reads column j from the cache
     for bi in range(b):
-        for head in range(h):
-            g = head // rep
-            for r in range(q_len):
-                keys, values = k[bi, g].clone().double(), v[bi, g].clone().double()
-                for j in range(kv_len):
-                    verifying = bool(seeds[bi, j]) and j - shift - offset == r
-                    if seeds[bi, j] and verifying == (cached_for == VERIFIERS):
-                        keys[j], values[j] = cached_k[bi, g, j].double(), cached_v[bi, g, j].double()
-                scores = (keys @ q[bi, head, r].double()) * scale  # [kv]
-                if mask is not None:
-                    scores = scores + mask[bi, 0, r].double()
-                out[bi, head, r] = torch.softmax(scores, -1) @ values
-    return out
+        for r in range(q_len):
+            for j in range(kv_len):
+                verifying = j - shift - offset == r
+                sees_cache[bi, r, j] = bool(seeds[bi, j]) and verifying == (cached_for == VERIFIERS)
+    where = sees_cache[:, None, :, :, None]  # [b, 1, q, kv, 1]
+    keys = torch.where(where, cached_k.double()[:, :, None], k.double()[:, :, None])  # [b, h_kv, q, kv, d]
+    values = torch.where(where, cached_v.double()[:, :, None], v.double()[:, :, None])  # [b, h_kv, q, kv, d]
+    keys, values = keys.repeat_interleave(h // h_kv, 1), values.repeat_interleave(h // h_kv, 1)  # [b, h, q, kv, d]
+    scores = torch.einsum("bhqd,bhqkd->bhqk", q.double(), keys) * scale  # [b, h, q, kv]
+    if mask is not None:
+        scores = scores + mask.double()
+    probs = torch.softmax(scores, -1)
+    return torch.einsum("bhqk,bhqkd->bhqd", probs, values), probs
 
 
 def block_mask(b: int, q_len: int, kv_len: int, block: int, pad: list[int]) -> torch.Tensor:
@@ -54,30 +61,6 @@ def block_mask(b: int, q_len: int, kv_len: int, block: int, pad: list[int]) -> t
         return visible & (kj < lengths[bb])
 
     return additive_mask(rule, b, q_len, kv_len, torch.float32, kv_cache_len=kv_len - q_len)
-
-
-@pytest.mark.parametrize("cached_for", [OTHERS, VERIFIERS])
-@pytest.mark.parametrize("shift", [0, 1])
-@pytest.mark.parametrize("masked,q_len", [(False, 10), (True, 10), (True, 6)])
-def test_closed_form_equals_an_explicit_second_pass(shift, masked, q_len, cached_for):
-    torch.manual_seed(shift * 10 + q_len)
-    b, h, h_kv, kv_len, d = 2, 4, 2, 10, 8  # grouped-query attention: 2 heads per KV head
-    q = torch.randn(b, h, q_len, d)
-    k, v = torch.randn(b, h_kv, kv_len, d), torch.randn(b, h_kv, kv_len, d)
-    cached_k, cached_v = torch.randn(b, h_kv, kv_len, d), torch.randn(b, h_kv, kv_len, d)
-    seeds = torch.zeros(b, kv_len, dtype=torch.bool)
-    seeds[0, [5, 7, 9]] = True
-    seeds[1, [4, 8]] = True
-    mask = block_mask(b, q_len, kv_len, block=3, pad=[0, 1]) if masked else None
-    step = KVOverrideStep(seeds=seeds, cached={0: (cached_k, cached_v)}, shift=shift, attention_layer=0,
-                          cached_for=cached_for)
-    scale = d**-0.5
-    out, _ = kv_override_attention(Layer(), q, k, v, mask, scaling=scale, kv_override=step)  # [b, q, h, d]
-    reference = explicit_two_pass(q, k, v, cached_k, cached_v, seeds, mask, shift, scale, cached_for)  # [b, h, q, d]
-    torch.testing.assert_close(out.transpose(1, 2).double(), reference, atol=1e-5, rtol=1e-5)
-    assert step.attention.shape == (b, q_len, kv_len)
-    torch.testing.assert_close(step.attention.sum(-1), torch.ones(b, q_len), atol=1e-5, rtol=0)
-    assert step.recorded[0][0] is not None and torch.equal(step.recorded[0][0], k)
 
 
 def test_the_correction_sits_on_the_shifted_row():
@@ -93,8 +76,9 @@ def test_the_correction_sits_on_the_shifted_row():
         outputs[shift], _ = kv_override_attention(Layer(), q, k, v, None, kv_override=step)
     plain_override, _ = kv_override_attention(Layer(), q, k, v, None, kv_override=KVOverrideStep(
         seeds=seeds, cached={0: cached}, shift=99))  # no row verifies: pure override
-    assert not torch.allclose(outputs[0][0, 3], plain_override[0, 3]) and torch.allclose(outputs[0][0, 2], plain_override[0, 2])
-    assert not torch.allclose(outputs[1][0, 2], plain_override[0, 2]) and torch.allclose(outputs[1][0, 3], plain_override[0, 3])
+    for shift, (verifying, other) in {0: (3, 2), 1: (2, 3)}.items():
+        assert not torch.allclose(outputs[shift][0, verifying], plain_override[0, verifying])
+        assert torch.allclose(outputs[shift][0, other], plain_override[0, other])
 
 
 @pytest.mark.parametrize("cached_for", [OTHERS, VERIFIERS])
@@ -133,3 +117,130 @@ def test_a_model_runs_under_the_override_and_is_restored():
     torch.testing.assert_close(plain, before, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(after, before, atol=0, rtol=0)
     assert not torch.allclose(verified, before) and step.attention.shape == (1, 6, 6)
+
+
+# -- peaked attention (issue 36): exact and finite for any scores ----------------------------------
+
+
+def column(values: list[float]) -> torch.Tensor:
+    """One batch row, one head, head size 1: ``[1, 1, n, 1]``."""
+    return torch.tensor(values, dtype=torch.float32)[None, None, :, None]
+
+
+HIDDEN = torch.finfo(torch.float32).min
+# (q, k, cached k, v, cached v, seed column, shift, additive mask [q, kv] or None, verifying row's two-pass output:
+# its softmax written out): one head of size 1, scale 1, the paper's mode (the other rows see the cached K/V).
+ISSUE_CASES = {
+    # delta = -40, the seed column's weight under the override 1 - 2e-9 (1 in fp32): the closed form's ratio is 0.
+    "cancellation": ([1, 1], [-20, 0], [20, 0], [1, 2], [3, 2], 0, 0, None, (math.exp(-20) + 2) / (math.exp(-20) + 1)),
+    # delta = -16: finite but wrong (0.0).
+    "near cancellation": ([1, 1], [4, 0], [20, 0], [1, 2], [3, 2], 0, 0, None, (math.exp(4) + 2) / (math.exp(4) + 1)),
+    # delta = 90: exp(delta) overflows fp32.
+    "overflow": ([1, 1], [90, 0], [0, 0], [1, 2], [3, 2], 0, 0, None, (math.exp(90) + 2) / (math.exp(90) + 1)),
+    # shift 1, block-causal by position: row 0 verifies column 1 but may not see it; delta = 95, alpha = 0.
+    "hidden seed column": ([1, 1], [0, 95], [0, 0], [1, 2], [3, 5], 1, 1, [[0, HIDDEN], [0, 0]], 1.0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ISSUE_CASES))
+def test_issue_36_cases_match_the_two_pass_result(case):
+    q, k, cached_k, v, cached_v, seed, shift, mask, expected = ISSUE_CASES[case]
+    q, k, cached_k, v, cached_v = map(column, (q, k, cached_k, v, cached_v))
+    seeds = torch.zeros(1, k.shape[2], dtype=torch.bool)
+    seeds[0, seed] = True
+    mask = None if mask is None else torch.tensor(mask, dtype=torch.float32)[None, None]
+    step = KVOverrideStep(seeds=seeds, cached={0: (cached_k, cached_v)}, shift=shift, attention_layer=0)
+    out, _ = kv_override_attention(Layer(), q, k, v, mask, scaling=1.0, kv_override=step)  # [1, q, 1, 1]
+    reference, probs = explicit_two_pass(q, k, v, cached_k, cached_v, seeds, mask, shift, 1.0)
+    assert reference[0, 0, seed - shift, 0].item() == pytest.approx(expected, rel=1e-12)
+    torch.testing.assert_close(out.transpose(1, 2).double(), reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(step.attention.double(), probs.mean(1), atol=1e-6, rtol=1e-5)
+
+
+SINK = 30.0  # a planted attention sink: one key's logit this much above the rest
+
+
+def peaked_inputs(std: float, sink: str | None, q_len: int, dtype: torch.dtype, seed: int):
+    """q, k, v, cached k, v ([b, h, q|kv, d], grouped: 2 heads per K/V head) with scores of standard
+    deviation ``std`` and, ``sink``: "seed", the cached key of one seed column per batch row (5 and 4)
+    or "other", the key of the non-seed column 1 in both memories, a logit SINK above the rest for
+    every query (dimension 0 of every query is 1, of the sink key SINK / scale, of the other keys 0)."""
+    torch.manual_seed(seed)
+    b, h, h_kv, kv_len, d = 2, 4, 2, 10, 8
+    scale = d**-0.5
+    q = torch.randn(b, h, q_len, d) * std
+    k, v = torch.randn(b, h_kv, kv_len, d), torch.randn(b, h_kv, kv_len, d)
+    cached_k, cached_v = torch.randn(b, h_kv, kv_len, d), torch.randn(b, h_kv, kv_len, d)
+    if sink is not None:
+        q[..., 0] = 1.0
+        k[..., 0] = cached_k[..., 0] = 0.0
+        if sink == "seed":
+            cached_k[0, :, 5, 0] = cached_k[1, :, 4, 0] = SINK / scale
+        else:
+            k[:, :, 1, 0] = cached_k[:, :, 1, 0] = SINK / scale
+    return [t.to(dtype) for t in (q, k, v, cached_k, cached_v)], scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sink", [None, "seed", "other"])
+@pytest.mark.parametrize("std", [1, 4, 8, 16])
+@pytest.mark.parametrize("cached_for", [OTHERS, VERIFIERS])
+@pytest.mark.parametrize("shift", [0, 1])
+@pytest.mark.parametrize("masked,q_len", [(False, 10), (True, 10), (True, 6)])
+def test_the_override_equals_an_explicit_second_pass(masked, q_len, shift, cached_for, std, sink, dtype):
+    """Mild (std 1) to peaked scores, with and without a sink. Seeds 5, 7, 9 and 4, 8; with the block
+    mask (blocks of 3, row 1 padded by one key) shift 1 hides seed 9 from its verifying row 8. fp32
+    to 1e-5; bf16 inputs (computed in fp32) to the bf16 rounding of the output, 2^-8 relative."""
+    (q, k, v, cached_k, cached_v), scale = peaked_inputs(std, sink, q_len, dtype, seed=std + 100 * shift)
+    b, kv_len = k.shape[0], k.shape[2]
+    seeds = torch.zeros(b, kv_len, dtype=torch.bool)
+    seeds[0, [5, 7, 9]] = True
+    seeds[1, [4, 8]] = True
+    mask = block_mask(b, q_len, kv_len, block=3, pad=[0, 1]) if masked else None
+    step = KVOverrideStep(seeds=seeds, cached={0: (cached_k, cached_v)}, shift=shift, attention_layer=0,
+                          cached_for=cached_for)
+    out, _ = kv_override_attention(Layer(), q, k, v, mask, scaling=scale, kv_override=step)  # [b, q, h, d]
+    reference, probs = explicit_two_pass(q, k, v, cached_k, cached_v, seeds, mask, shift, scale, cached_for)
+    assert out.dtype == dtype and bool(torch.isfinite(out).all()) and bool(torch.isfinite(step.attention).all())
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-5, "rtol": 2**-8}
+    torch.testing.assert_close(out.transpose(1, 2).double(), reference, **tol)
+    torch.testing.assert_close(step.attention.double(), probs.mean(1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(step.attention.sum(-1), torch.ones(b, q_len), atol=1e-5, rtol=0)
+    assert torch.equal(step.recorded[0][0], k) and torch.equal(step.recorded[0][1], v)
+
+
+PEAK = 5.0  # q_norm and k_norm weights times this: scores about PEAK^2 = 25 times their size
+
+
+def peaked_mdm(attention: str):
+    """The COVER tests' tiny MDM with sharply peaked attention. Qwen3 normalises each query and key
+    head (q_norm, k_norm) after its projection, so the scale goes on those weights."""
+    model = mdm_model(attention, block=B)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.mul_(PEAK)
+            layer.self_attn.k_norm.weight.mul_(PEAK)
+    return model
+
+
+@pytest.mark.parametrize("seed_input", ["mask", "token"])
+@pytest.mark.parametrize("attention", ["bidirectional", "block"])
+def test_a_cover_decode_with_peaked_attention_stays_finite_and_matches_the_reference(attention, seed_input):
+    """Every layer's output of every COVER forward is finite, some seeds are verified, and each decode
+    gives the tokens, forwards and revisions of the reference decode whose override is an explicit
+    second pass per row (no closed form)."""
+    model = peaked_mdm(attention)
+    cfg = {"draft_threshold": 0.8, "seed_input": seed_input}
+    finite = []
+    hooks = [layer.register_forward_hook(lambda module, args, out: finite.append(bool(torch.isfinite(out[0]).all())))
+             for layer in model.model.layers]
+    try:
+        results = [cover(cfg, model, prompt, eos=-1)[0] for prompt in PROMPTS]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert finite and all(finite) and sum(r.stats["seeds"] for r in results) > 0
+    for prompt, result in zip(PROMPTS, results):
+        tokens, forwards, events = reference_cover(model, prompt, L, B, 0.8, 15, 5, attention, B, eos=-1,
+                                                   override=True, seed_input=seed_input)
+        assert (result.tokens, result.forwards, result.stats["revisions"]) == (tokens, forwards, events), prompt
