@@ -20,8 +20,9 @@ forward (no cache: each step is one full forward with the explicit bidirectional
    mask-derived K/V (its score and value at column i substituted within the same pass; not the
    paper's closed-form rescale, which fails when attention is peaked: docs/methods/cover.md#kv-override).
    ``override=false`` (the paper's "w/o kv" ablation): the same masked input with no cache
-   injection, so every query sees mask K/V at the seeds. The cache is literally the previous forward's K/V (paper §5.1): a seed drafted in the
-   previous step was a mask in that forward, so its cached K/V are mask-derived.
+   injection, so every query sees mask K/V at the seeds. The cache is literally the previous
+   forward's K/V (paper §5.1): a seed drafted in the previous step was a mask in that forward, so
+   its cached K/V are mask-derived.
    *Under the logit shift the drafting view is not exactly stable beyond the first layer:* seed
    i's verifying row is i - 1, a non-seed position, and its leave-one-out hidden state produces
    its own (not overridden) K/V, which every query reads in the next layer. Without a shift (the
@@ -34,8 +35,9 @@ forward (no cache: each step is one full forward with the explicit bidirectional
    seeds keep their tokens in the input, so every row (the seed's own, which predicts i + 1,
    included) is the plain forward's, except each seed's verifying row i - 1, which sees column i
    through the same substitution with the K/V that column had in the last forward that fed
-   position i a mask (its drafting forward, or the one after a ReMask), kept per layer and position. What a non-verifying query sees at a seed is then this forward's token K/V instead of
-   the previous forward's (which for a seed drafted one step earlier are mask-derived). Without a
+   position i a mask (its drafting forward, or the one after a ReMask), kept per layer and position.
+   What a non-verifying query sees at a seed is then this forward's token K/V instead of the
+   previous forward's (which for a seed drafted one step earlier are mask-derived). Without a
    shift the verifying row would be the seed's own row, whose input is its token: the mirror needs
    the shift (which ``mdm_info`` guarantees).
 2. *Draft*: among the block's masked positions (not the seeds), those with confidence (softmax
