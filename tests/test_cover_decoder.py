@@ -40,6 +40,7 @@ from tests.test_mdm_decoders import (
     decoded_up_to_eos,
     mdm_model,
     mdm_tokenizer,
+    without_mask,
 )
 
 torch.set_num_threads(1)
@@ -168,8 +169,8 @@ def test_revision_counters_on_a_scripted_sequence():
 
 
 def eager_forward(model, x: list[int], prompt_len: int, attention: str, attn_block: int | None):
-    """Logits [n, V] and the last layer's head-averaged attention [n, n] with the eager backend and a
-    mask built pair by pair."""
+    """Logits [n, V] (``<|mask|>`` excluded) and the last layer's head-averaged attention [n, n] with
+    the eager backend and a mask built pair by pair."""
     n = len(x)
     blocks = [0 if p < prompt_len else 1 + (p - prompt_len) // (attn_block or 1) for p in range(n)]
     mask = torch.zeros(1, 1, n, n)
@@ -185,7 +186,7 @@ def eager_forward(model, x: list[int], prompt_len: int, attention: str, attn_blo
                         output_attentions=True)
     finally:
         model.set_attn_implementation(previous)
-    return out.logits[0], out.attentions[-1][0].mean(0)
+    return without_mask(out.logits[0]), out.attentions[-1][0].mean(0)
 
 
 TWO_PASS = "pardec_test_cover_two_pass"
@@ -230,8 +231,8 @@ def two_pass_attention(module, query, key, value, attention_mask, scaling=None, 
 
 
 def two_pass_forward(model, x, prompt_len, attention, attn_block, seeds, cached, verifiers_only=False):
-    """Logits [n, V], the last layer's attention [n, n] and this forward's K/V, under the explicit
-    override attention (the mask built pair by pair as in :func:`eager_forward`)."""
+    """Logits [n, V] (``<|mask|>`` excluded), the last layer's attention [n, n] and this forward's K/V,
+    under the explicit override attention (the mask built pair by pair as in :func:`eager_forward`)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(TWO_PASS, two_pass_attention)
@@ -251,7 +252,7 @@ def two_pass_forward(model, x, prompt_len, attention, attn_block, seeds, cached,
                            two_pass=state).logits[0]
     finally:
         model.set_attn_implementation(previous)
-    return logits, state.attention, state.recorded
+    return without_mask(logits), state.attention, state.recorded
 
 
 def reference_cover(model, prompt, length, block, tau, budget, max_rev, attention, attn_block=None, eos=EOS,

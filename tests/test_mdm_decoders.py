@@ -72,8 +72,15 @@ def mdm_model(attention: str, block: int | None = None, seed: int = 0):
 # -- slow references ------------------------------------------------------------------------------
 
 
+def without_mask(logits: torch.Tensor) -> torch.Tensor:
+    """``logits [..., V]`` as the MDM decoders read them: ``<|mask|>``'s logit -inf (a copy)."""
+    logits = logits.clone()
+    logits[..., MASK] = float("-inf")
+    return logits
+
+
 def full_logits(model, x: list[int], prompt_len: int, attention: str, attn_block: int | None) -> torch.Tensor:
-    """One forward over the whole sequence, no cache; the mask built pair by pair."""
+    """One forward over the whole sequence, no cache; the mask built pair by pair; ``<|mask|>`` excluded."""
     n = len(x)
     blocks = [0 if p < prompt_len else 1 + (p - prompt_len) // (attn_block or 1) for p in range(n)]
     mask = torch.zeros(1, 1, n, n)
@@ -82,7 +89,8 @@ def full_logits(model, x: list[int], prompt_len: int, attention: str, attn_block
             if attention == "block" and blocks[j] > blocks[i]:
                 mask[0, 0, i, j] = torch.finfo(torch.float32).min
     with torch.no_grad():
-        return model(input_ids=torch.tensor([x]), position_ids=torch.arange(n)[None], attention_mask=mask).logits[0]
+        out = model(input_ids=torch.tensor([x]), position_ids=torch.arange(n)[None], attention_mask=mask)
+    return without_mask(out.logits[0])
 
 
 def conf_and_token(row: torch.Tensor) -> tuple[float, int]:

@@ -22,6 +22,7 @@ from tests.test_mdm_decoders import (
     decoded_up_to_eos,
     mdm_model,
     mdm_tokenizer,
+    without_mask,
 )
 
 torch.set_num_threads(1)
@@ -66,7 +67,8 @@ def test_shadow_rows_leave_real_rows_unchanged_and_hide_the_verified_token():
         s, e = run.span(1)
         real, shadow = decoder.shadow_forward(run, 1)
         n = run.x.numel()
-        plain = model(input_ids=run.x[None], position_ids=torch.arange(n)[None], attention_mask=run.full_mask).logits[0]
+        plain = without_mask(model(input_ids=run.x[None], position_ids=torch.arange(n)[None],
+                                   attention_mask=run.full_mask).logits[0])
         j = s + 2
         run.x[j] = (run.x[j] + 1 - 3) % (VOCAB - 4) + 3
         _, shadow_j = decoder.shadow_forward(run, 1)
@@ -79,7 +81,8 @@ def test_shadow_rows_leave_real_rows_unchanged_and_hide_the_verified_token():
 
 
 def eager_extended(model, x, prompt_len, s, block, attention, attn_block):
-    """The extended sequence and its mask built pair by pair; logits [n + block, V] (eager)."""
+    """The extended sequence and its mask built pair by pair; logits [n + block, V] (eager, ``<|mask|>``
+    excluded)."""
     n = len(x)
     blocks = [0 if p < prompt_len else 1 + (p - prompt_len) // (attn_block or 1) for p in range(n)]
 
@@ -105,9 +108,10 @@ def eager_extended(model, x, prompt_len, s, block, attention, attn_block):
     model.set_attn_implementation("eager")
     try:
         with torch.no_grad():
-            return model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]), attention_mask=mask).logits[0]
+            out = model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]), attention_mask=mask)
     finally:
         model.set_attn_implementation(previous)
+    return without_mask(out.logits[0])
 
 
 def reference_wino(model, prompt, length, block, tau, tau_back, attention, attn_block=None, eos=EOS):

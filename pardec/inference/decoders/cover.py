@@ -259,12 +259,11 @@ class CoverDecoder(MDMDecoder):
         step = KVOverrideStep(seeds=seed_mask if use_override else None, cached=cached if use_override else None,
                               shift=shift, attention_layer=last_layer,
                               cached_for=VERIFIERS if token_input else OTHERS)
-        out = run.model(input_ids=fed[None], position_ids=torch.arange(n, device=run.x.device)[None],
-                        attention_mask=run.full_mask, kv_override=step)
-        run.dlm_forwards += 1
+        logits = run.forward(input_ids=fed[None], position_ids=torch.arange(n, device=run.x.device)[None],
+                             attention_mask=run.full_mask, kv_override=step)
         if step.attention is None:
             raise RuntimeError("the KV-override attention did not run (decode inside decoder.prepare(model))")
-        return out.logits[0], step, fed == run.info.mask_id
+        return logits, step, fed == run.info.mask_id
 
     # -- the loop ----------------------------------------------------------------------------------
 

@@ -38,6 +38,13 @@ Cache modes:
 
   The prompt (but its last token) is frozen from the first full forward.
 
+**``<|mask|>`` is never proposed.** Every DLM forward of an MDM decoder goes through
+:meth:`BlockRun.forward`, which sets the mask id's logit to -inf (:func:`forbid_mask`) before any
+decoder reads it, so no draft, commit, Replace or confidence ever involves ``<|mask|>``, however the
+model was loaded (``pardec.inference.checkpoint.load_checkpoint`` installs the same exclusion as a
+hook, so a loaded checkpoint's figures do not change). ``<|mask|>`` is an input symbol: a position
+given it would stay masked and be drafted again at every step, without end.
+
 No separate prefill: a bidirectional prompt's K/V depend on the generated region, so every model
 forward is a decoding forward and is counted (the prefill of ``prompt[:-1]`` of docs/methods/conventions.md#counting
 applies to the guide of :mod:`pardec.inference.decoders.mdm_guided`, which is causal).
@@ -116,6 +123,14 @@ class MDMInfo:
 def default_block_size(info: MDMInfo) -> int:
     """The decoding block when none is given: a block model's attention block, else 32."""
     return info.attention_block_size if info.attention == BLOCK else DEFAULT_BLOCK_SIZE
+
+
+def forbid_mask(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """``logits [..., V]`` with ``<|mask|>``'s logit set to -inf, in place (module docstring); a
+    vocabulary without ``mask_id`` (an AR guide's) is left as it is."""
+    if mask_id < logits.shape[-1]:
+        logits[..., mask_id] = float("-inf")
+    return logits
 
 
 def mdm_info(model, tokenizer=None) -> MDMInfo:
@@ -353,7 +368,7 @@ class BlockRun:
             crop_cache(self.cache, c)
             assert self.cache.get_seq_length() == c, (self.cache.get_seq_length(), c)
         fed = self.x[c:n].clone()  # [n - c]
-        out = self.model(
+        logits = self.forward(
             input_ids=fed[None],
             position_ids=torch.arange(c, n, device=self.x.device)[None],
             # [1, 1, n - c, n]: query i is key c + i. A copy, not a view: a view's unaligned start crashed
@@ -362,10 +377,16 @@ class BlockRun:
             past_key_values=self.cache if use_cache else None,
             use_cache=use_cache,
         )
-        self.dlm_forwards += 1
         if use_cache:
             self.after_forward(b, s, e, c, fed)
-        return out.logits[0, s - 1 - c : e - 1 - c]  # [B, V]: output j-1 predicts position j
+        return logits[s - 1 - c : e - 1 - c]  # [B, V]: output j-1 predicts position j
+
+    def forward(self, **inputs) -> torch.Tensor:
+        """One counted DLM forward ``model(**inputs)`` (batch 1): its logits ``[q, V]`` with
+        ``<|mask|>`` forbidden (:func:`forbid_mask`). Every MDM decoder's DLM forward goes through here."""
+        out = self.model(**inputs)
+        self.dlm_forwards += 1
+        return forbid_mask(out.logits[0], self.info.mask_id)
 
     @property
     def freeze_last(self) -> bool:

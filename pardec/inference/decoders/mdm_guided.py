@@ -47,7 +47,7 @@ from pardec.common.errors import ConfigError
 from pardec.common.kv_cache import crop_cache
 from pardec.common.metadata import CheckpointMetadata
 from pardec.inference.decoders.base import model_device, prefill
-from pardec.inference.decoders.mdm_common import BlockRun, MDMDecoder, MDMDecoderConfig
+from pardec.inference.decoders.mdm_common import BlockRun, MDMDecoder, MDMDecoderConfig, forbid_mask
 
 
 
@@ -149,7 +149,9 @@ class MDMGuidedDecoder(MDMDecoder):
             use_cache=True,
         )
         run.guide_forwards += 1
-        g = torch.softmax(out.logits[0, :-1].float(), dim=-1)  # [d, V]: row k is the guide at m + k
+        # [d, V]: row k is the guide at m + k. <|mask|> is not in the guide's tokenizer, but its id may be a padding
+        # row of the guide's output; committed (commit=shifted) it would leave the position masked forever.
+        g = torch.softmax(forbid_mask(out.logits[0, :-1].float(), run.info.mask_id), dim=-1)
         top2_p, top2 = g.topk(2, dim=-1)  # [d, 2]
 
         # 2. Longest accepted prefix of drafts.

@@ -106,8 +106,7 @@ class WinoDecoder(MDMDecoder):
         shadow[torch.arange(k, device=device), torch.arange(s, e, device=device)] = neg  # hide the verified token
         mask[0, 0, n:, :n] = shadow
         mask[0, 0, n + torch.arange(k, device=device), n + torch.arange(k, device=device)] = 0  # itself only
-        logits = run.model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask).logits[0]
-        run.dlm_forwards += 1
+        logits = run.forward(input_ids=ids[None], position_ids=positions[None], attention_mask=mask)  # [n + k, V]
         return logits[s - 1 : e - 1], logits[n:]
 
     @torch.inference_mode()
