@@ -64,3 +64,14 @@ def test_unknown_step_and_missing_input_are_named(pipeline, monkeypatch):
         reproduce.main(["--only", "nope"])
     with pytest.raises(SystemExit, match="runs/conv/DONE"):
         reproduce.main(["--only", "bench"])
+
+
+def test_every_step_runs_a_module_that_exists():
+    """Each step's ``-m`` target is importable (a module renamed under pardec/ would otherwise fail
+    only when the pipeline reaches it, an hour in)."""
+    import importlib.util
+
+    modules = [s.command[i + 1] for s in reproduce.STEPS for i, arg in enumerate(s.command) if arg == "-m"]
+    assert modules and all(m.startswith(("pardec.", "torch.")) for m in modules), modules
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    assert not missing, missing

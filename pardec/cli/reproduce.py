@@ -49,7 +49,7 @@ def train(experiment: str, final_stage: str | None = None, launcher: list[str] =
 
 
 def bench(name: str, args: list[str], inputs: tuple[str, ...]) -> Step:
-    return Step(name, [*PY, "-m", f"benchmarks.{name}", *args], inputs=inputs)
+    return Step(name, [*PY, "-m", f"pardec.benchmarks.{name}", *args], inputs=inputs)
 
 
 BASE = "runs/default_base/hf"
