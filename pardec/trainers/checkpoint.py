@@ -7,7 +7,7 @@ Layout under ``<output_dir>/checkpoints``::
                               size of every other file) and trainer_state.json (written last)
     latest                    text file naming the newest complete checkpoint
 
-What is guaranteed (README, "Resume and preemption"):
+What is guaranteed (docs/guide/resume.md):
 
 * A checkpoint is *complete* when ``trainer_state.json`` exists in a directory named ``step-N``;
   it is written last, after every rank's files and the checksums, and the directory only gets its
