@@ -276,6 +276,8 @@ def test_idlm_lora_training_run_keeps_the_base_bit_identical(tmp_path, monkeypat
         else:
             assert torch.equal(tensor, original[name]), name
     meta = json.loads((result.export_dir / "config.json").read_text())["pardec"]
+    assert meta.pop("base_model")  # provenance for the model card (and "command" when run from the CLI)
+    meta.pop("command", None)
     assert meta == {"recipe": "idlm_lora", "mask_token_id": mask_id, "isd_stride": 3,
                     "gated_lora_adapter": ADAPTER_SUBDIR}
 
