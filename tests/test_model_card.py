@@ -4,7 +4,6 @@ rewrites it with the evaluation, a README pardec did not write is kept."""
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -17,10 +16,9 @@ from pardec.common.metadata import CheckpointMetadata
 from pardec.common.model_card import MARKER, write_model_card
 from pardec.trainers.export import export_hf
 from tests.conftest import tiny_model, tiny_tokenizer, write_eval_jsonl
-from tests.train_utils import FAST, save_tiny_base
+from tests.train_utils import FAST, child_env, save_tiny_base
 
 torch.set_num_threads(1)
-REPO = Path(__file__).resolve().parents[1]
 
 
 def export(path: Path, base_model: str) -> tuple[Path, CheckpointMetadata, int]:
@@ -63,7 +61,7 @@ def test_a_local_base_model_stays_out_of_the_front_matter(tmp_path, monkeypatch)
 def test_validation_adds_its_results_to_the_card(tmp_path):
     out, _, _ = export(tmp_path / "hf", base_model="Qwen/Qwen3-0.6B")
     data = write_eval_jsonl(tmp_path / "eval.jsonl")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = child_env()
     cmd = [sys.executable, "-m", "pardec.cli.validate", f"checkpoint={out}", "data.source=files",
            f"data.eval_files=[{data}]", "decoder.max_new_tokens=4", "progress=false"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
@@ -84,7 +82,7 @@ def test_a_readme_pardec_did_not_write_is_kept(tmp_path):
 def test_training_records_its_command_and_base_model(tmp_path):
     base = save_tiny_base(tmp_path / "base")
     overrides = [*FAST, f"output_dir={tmp_path / 'run'}", "trainer.max_steps=1", "model=hf", f"model.path={base}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = child_env()
     proc = subprocess.run([sys.executable, "-m", "pardec.cli.train", *overrides], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

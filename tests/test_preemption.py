@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import torch
 
-from tests.train_utils import FAST, REPO, exported_weights, run_in_process
+from tests.train_utils import FAST, REPO, child_env, exported_weights, run_in_process
 from pardec.trainers import trainer
 from pardec.trainers.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER, STOP_FILE
 
@@ -53,19 +52,10 @@ def test_stage_stop_file_is_consumed_too(tmp_path):
     assert not (stage_dir / STOP_FILE).exists()
 
 
-# In-process training in this pytest process set these (init_distributed); a child must not inherit them.
-DIST_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
-    return dict(env, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-
-
 def test_preempted_train_exits_with_the_preempted_code(tmp_path):
     (tmp_path / STOP_FILE).write_text("")
     cmd = [sys.executable, "-m", "pardec.cli.train", *FAST, f"output_dir={tmp_path}", "trainer.max_steps=3"]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, check=False, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, check=False, timeout=300)
     assert proc.returncode == PREEMPTED_EXIT_CODE, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "training preempted at step 1" in proc.stdout
     assert not (tmp_path / STOP_FILE).exists()
@@ -75,7 +65,7 @@ def test_launcher_exits_with_the_workers_exit_code(tmp_path):
     """torchrun exits 1 whenever a worker fails; pardec.cli.launch passes the workers' code on (75 = preempted)."""
     cmd = [sys.executable, "-m", "pardec.cli.launch", "--standalone", "--nproc_per_node", "2", "--no-python",
            "sh", "-c", f"exit {PREEMPTED_EXIT_CODE}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, check=False, timeout=120)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(), capture_output=True, text=True, check=False, timeout=120)
     assert proc.returncode == PREEMPTED_EXIT_CODE, proc.stderr[-2000:]
-    ok = subprocess.run(cmd[:-1] + ["exit 0"], cwd=tmp_path, env=_env(), capture_output=True, text=True, check=False, timeout=120)
+    ok = subprocess.run(cmd[:-1] + ["exit 0"], cwd=tmp_path, env=child_env(), capture_output=True, text=True, check=False, timeout=120)
     assert ok.returncode == 0, ok.stderr[-2000:]

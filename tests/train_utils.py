@@ -42,6 +42,18 @@ def run_in_process(overrides: list[str]):
     return run_recipe(compose_train(FAST + overrides))
 
 
+# In-process training in a pytest process sets these (init_distributed, whose process group stays up);
+# a child process that inherited them would try to bind the same MASTER_PORT.
+DIST_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child pardec process: without :data:`DIST_VARS`, one thread,
+    the checkout on ``PYTHONPATH``, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **extra}
+
+
 def run_torchrun(overrides: list[str], nproc: int, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
