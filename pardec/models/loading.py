@@ -264,8 +264,10 @@ def add_mask_token(model, tokenizer) -> int:
     of the existing embedding rows, so the mask token starts as a typical input embedding rather
     than a zero or an outlier that would dominate the first steps. ``resize_token_embeddings``
     re-ties a tied output head (Llama/SmolLM2/Qwen3 small models), so the output row is the same
-    tensor; the mask token is never a training target, and its logit starts in the range of the
-    other tokens' (tested in ``tests/test_real_tokenizer.py``)."""
+    tensor. The mask token is never a training target, and decoding never outputs it
+    (``pardec.inference.checkpoint.forbid_output_token``, ``mdm_common.forbid_mask``).
+    ``tests/test_real_tokenizer.py`` checks the resize, the tie, the untouched old rows and the
+    recorded id through export and reload."""
     if MASK_TOKEN not in tokenizer.get_vocab():
         tokenizer.add_special_tokens({"additional_special_tokens": [MASK_TOKEN]})
     mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
