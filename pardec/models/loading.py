@@ -265,7 +265,7 @@ def add_mask_token(model, tokenizer) -> int:
     than a zero or an outlier that would dominate the first steps. ``resize_token_embeddings``
     re-ties a tied output head (Llama/SmolLM2/Qwen3 small models), so the output row is the same
     tensor. The mask token is never a training target, and decoding never outputs it
-    (``pardec.inference.checkpoint.forbid_output_token``, ``mdm_common.forbid_mask``).
+    (``pardec.inference.checkpoint.forbid_output_token``, ``pardec.inference.decoders.base.forbid_mask``).
     ``tests/test_real_tokenizer.py`` checks the resize, the tie, the untouched old rows and the
     recorded id through export and reload."""
     if MASK_TOKEN not in tokenizer.get_vocab():

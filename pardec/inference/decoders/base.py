@@ -207,3 +207,12 @@ def prefill(model, context_ids: torch.Tensor, attention_mask: torch.Tensor) -> D
             logits_to_keep=1,
         )
     return cache
+
+
+def forbid_mask(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """``logits [..., V]`` with ``<|mask|>``'s logit set to -inf, in place: a decoder never proposes
+    the mask token, whatever hook the model was loaded with; a vocabulary without ``mask_id`` (an
+    AR guide's) is left as it is."""
+    if mask_id < logits.shape[-1]:
+        logits[..., mask_id] = float("-inf")
+    return logits

@@ -80,7 +80,9 @@ from pardec.common.constants import METADATA_KEY
 from pardec.common.errors import CheckpointError, ConfigError
 from pardec.common.kv_cache import crop_cache
 from pardec.common.metadata import MDM_BIDIRECTIONAL, MDM_BLOCK, CheckpointMetadata, model_where
-from pardec.inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device
+from pardec.inference.decoders.base import (
+    DecodeResult, DecoderConfig, LoopTimer, PerSampleDecoder, forbid_mask, model_device,
+)
 from pardec.masks.core import additive_mask, require_dense_attention
 from pardec.masks.mdm import ATTENTIONS, BLOCK, answer_block_ids, mdm_mask
 from pardec.models.bidirectional import non_causal
@@ -123,14 +125,6 @@ class MDMInfo:
 def default_block_size(info: MDMInfo) -> int:
     """The decoding block when none is given: a block model's attention block, else 32."""
     return info.attention_block_size if info.attention == BLOCK else DEFAULT_BLOCK_SIZE
-
-
-def forbid_mask(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
-    """``logits [..., V]`` with ``<|mask|>``'s logit set to -inf, in place (module docstring); a
-    vocabulary without ``mask_id`` (an AR guide's) is left as it is."""
-    if mask_id < logits.shape[-1]:
-        logits[..., mask_id] = float("-inf")
-    return logits
 
 
 def mdm_info(model, tokenizer=None) -> MDMInfo:

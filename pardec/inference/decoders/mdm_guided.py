@@ -47,7 +47,8 @@ from pardec.common.errors import ConfigError
 from pardec.common.kv_cache import crop_cache
 from pardec.common.metadata import CheckpointMetadata
 from pardec.inference.decoders.base import model_device, prefill
-from pardec.inference.decoders.mdm_common import BlockRun, MDMDecoder, MDMDecoderConfig, forbid_mask
+from pardec.inference.decoders.base import forbid_mask
+from pardec.inference.decoders.mdm_common import BlockRun, MDMDecoder, MDMDecoderConfig
 
 
 

@@ -91,7 +91,9 @@ from pardec.common.config_fields import Choice, ranged
 from pardec.common.errors import ConfigError
 from pardec.common.kv_cache import crop_cache, select_cache_entries
 from pardec.common.metadata import MASKED_AR, CheckpointMetadata
-from pardec.inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device, prefill
+from pardec.inference.decoders.base import (
+    DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, forbid_mask, model_device, prefill,
+)
 from pardec.inference.decoders.sampling import SamplingMode, SamplingParams, probs_from_logits
 from pardec.masks.core import additive_mask, require_dense_attention
 from pardec.masks.refusion import SHARED, refusion_decode_mask
@@ -306,8 +308,7 @@ class ReFusionDecoder(PerSampleDecoder):
 
     def _probs(self, logits: torch.Tensor, mask_id: int) -> torch.Tensor:
         """``[n, V]`` logits -> the decoding distribution (``<|mask|>`` excluded), float32."""
-        logits = logits.float().clone()
-        logits[:, mask_id] = float("-inf")
+        logits = forbid_mask(logits.float().clone(), mask_id)
         if self.greedy:
             return torch.softmax(logits, -1)
         return probs_from_logits(logits, self.sampling)
