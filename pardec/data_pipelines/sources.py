@@ -35,7 +35,7 @@ def load_raw_split(data_cfg, split: str) -> datasets.Dataset:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if data_cfg.source == "synthetic":
-        rows = generate_split(data_cfg.synthetic, "train" if split == "train" else "test")
+        rows = generate_split(data_cfg.synthetic, "train" if split == "train" else synthetic_eval_split(data_cfg))
         ds = datasets.Dataset.from_list(rows)
         check_text_fields(ds, f"data.source=synthetic ({split})", data_cfg)
     elif data_cfg.source == "files":
@@ -50,6 +50,16 @@ def load_raw_split(data_cfg, split: str) -> datasets.Dataset:
     if len(ds) == 0:
         raise DataError(f"the {split} dataset is empty (source={data_cfg.source!r}{_where(data_cfg, split)})")
     return ds
+
+
+def synthetic_eval_split(data_cfg) -> str:
+    """The generator's split a synthetic eval set is drawn from: ``data.eval_split`` = ``test`` (the
+    200 held-out problems, for reported tables) or ``val`` (disjoint from train and test, for choosing
+    settings)."""
+    if data_cfg.eval_split not in ("test", "val"):
+        raise DataError(f"config key 'data.eval_split' = {data_cfg.eval_split!r}; with data.source=synthetic "
+                        "expected test (held out, for reported results) or val (for choosing settings)")
+    return data_cfg.eval_split
 
 
 def _where(data_cfg, split: str) -> str:
