@@ -13,7 +13,17 @@ this run. Columns:
   generated (arXiv:2604.11035 §2);
 * TPF formula: the paper's (2 + P_1 + ... + P_{N-2}) / (2 - P_{N-1}) on the measured acceptance.
 
-Writes ``benchmarks/results/idlm_isd.{md,json}``.
+A real chat model (``--template auto`` renders its prompts through the chat template) runs the same
+way, on any ``--device`` and ``--dtype``; ``--strides`` and ``--no-sample`` choose the ISD rows and
+``--split val`` the validation problems (to choose N on).
+
+Bound: where a forward of q tokens costs more than one of 1 (a CPU, the real model), a verify step
+of stride N feeds 2N-1 tokens, so a decoder committing TPF tokens per forward reaches at most
+TPF · t(1) / t(2N-1) times AR's TPS. ``t`` is measured on the base model in this run (median of
+``--bound-repeats`` forwards after a ``--bound-cache``-token KV cache, as
+``pardec.benchmarks.real_model_speed``) and each ISD row shows its bound and the share of it that its
+TPS / AR reaches (``--no-bound`` skips it). Writes ``<out>.{md,json}`` (default
+``benchmarks/results/idlm_isd``).
 """
 
 from __future__ import annotations
@@ -23,68 +33,91 @@ import json
 
 import torch
 
-from pardec.benchmarks.common import RESULTS, held_out_rows, identical, invoked_command, write_results
+from pardec.benchmarks.common import RESULTS, identical, invoked_command, split_rows, write_results
+from pardec.benchmarks.real_model_speed import forward_latency
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.isd import introspective_ratios, resolve_stride
-from pardec.inference.evaluate import evaluate
+from pardec.inference.evaluate import encode_prompt, evaluate
 from pardec.models.loading import mask_token_id
 
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     p.add_argument("--base", required=True, help="AR base export (HF dir)")
-    p.add_argument("--idlm", required=True, help="I-DLM export (recipe=idlm)")
+    p.add_argument("--idlm", default=None, help="I-DLM export (recipe=idlm); without it only AR and R-ISD rows")
     p.add_argument("--risd", default=None, help="gated-LoRA export (recipe=idlm_lora)")
     p.add_argument("--num-samples", type=int, default=200)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--split", default="test", choices=["test", "val"])
+    p.add_argument("--strides", type=int, nargs="+", default=[2, 3, 4])
+    p.add_argument("--no-sample", action="store_true", help="greedy ISD rows only")
+    p.add_argument("--template", default="auto", choices=["auto", "plain", "chat"],
+                   help="auto: the chat template where the tokenizer has one (a chat model), else plain")
+    p.add_argument("--no-bound", action="store_true", help="skip the TPF · t(1)/t(2N-1) bound")
+    p.add_argument("--bound-cache", type=int, default=128, help="KV cache length of the bound's forwards")
+    p.add_argument("--bound-repeats", type=int, default=10)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--out", default=str(RESULTS / "idlm_isd"))
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
-def alpha(model, tokenizer, records, stride: int) -> float:
+def alpha(model, tokenizer, records, stride: int, template: str) -> float:
     mask_id = mask_token_id(model, tokenizer)
     ratios = []
     with torch.no_grad():
         for r in records:
-            prompt = tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]
+            prompt = encode_prompt(tokenizer, r["prompt"], template, False, r["index"])
             if len(r["output_ids"]) >= 2:
                 ratios.append(introspective_ratios(model, prompt, r["output_ids"], mask_id, stride))
     return float(torch.cat(ratios).mean()) if ratios else float("nan")
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    eval_rows = held_out_rows(args.num_samples)
+    eval_rows = split_rows(args.split, args.num_samples)
 
-    base, base_tok = load_checkpoint(args.base, device="cpu")
-    idlm, idlm_tok = load_checkpoint(args.idlm, device="cpu")
-    models = {"base": (base, base_tok), "idlm": (idlm, idlm_tok)}
+    def load(path: str):
+        return load_checkpoint(path, device=args.device, dtype=args.dtype)
+
+    if args.idlm is None and args.risd is None:
+        raise SystemExit("give --idlm, --risd or both: there is nothing to compare AR greedy with")
+    models = {"base": load(args.base)}
+    if args.idlm:
+        models["idlm"] = load(args.idlm)
     if args.risd:
-        models["risd"] = load_checkpoint(args.risd, device="cpu")
+        models["risd"] = load(args.risd)
 
     greedy = {"max_new_tokens": args.max_new_tokens, "batch_size": 1}
     sample = {**greedy, "mode": "sample", "temperature": args.temperature}
-    rows = [
-        ("AR greedy (base)", "base", {"name": "ar", **greedy}, None),
-        ("AR greedy (I-DLM ckpt)", "idlm", {"name": "ar", **greedy}, None),
-        *[(f"ISD N={n} greedy", "idlm", {"name": "isd", "stride": n, **greedy}, n) for n in (2, 3, 4)],
-        *[(f"ISD N={n} sample T={args.temperature}", "idlm", {"name": "isd", "stride": n, **sample}, n) for n in (2, 3, 4)],
-    ]
+    rows = [("AR greedy (base)", "base", {"name": "ar", **greedy}, None)]
+    if args.idlm:
+        rows += [
+            ("AR greedy (I-DLM ckpt)", "idlm", {"name": "ar", **greedy}, None),
+            *[(f"ISD N={n} greedy", "idlm", {"name": "isd", "stride": n, **greedy}, n) for n in args.strides],
+            *[(f"ISD N={n} sample T={args.temperature}", "idlm", {"name": "isd", "stride": n, **sample}, n)
+              for n in ([] if args.no_sample else args.strides)],
+        ]
     if args.risd:
         stride = resolve_stride(models["risd"][0], None)
         rows.append((f"R-ISD N={stride} greedy (gated LoRA)", "risd", {"name": "isd", "stride": stride, **greedy}, stride))
 
+    strides = sorted({stride for *_, stride in rows if stride})
+    latency = {} if args.no_bound else {
+        q: forward_latency(models["base"][0], q, args.bound_cache, args.bound_repeats)
+        for q in [1, *(2 * n - 1 for n in strides)]}
     table, own_ar = [], {}
     warmup = eval_rows.select(range(min(2, len(eval_rows))))
     for label, which, decoder, stride in rows:
         model, tok = models[which]
         # Untimed warm-up: first-call allocations would otherwise slow the first row down.
-        evaluate(model, tok, warmup, decoder, agreement=False, shard=False)
-        result = evaluate(model, tok, eval_rows, decoder, agreement=False, shard=False, progress=True)
+        evaluate(model, tok, warmup, decoder, template=args.template, agreement=False, shard=False)
+        result = evaluate(model, tok, eval_rows, decoder, template=args.template, agreement=False, shard=False,
+                          progress=True)
         m, recs = result.metrics, sorted(result.records, key=lambda r: r["index"])
         if decoder["name"] == "ar":
             own_ar[which] = recs
@@ -93,21 +126,24 @@ def main() -> None:
         row = {
             "decoder": label, "accuracy": m["accuracy"],
             "identical_to_base": identical(recs, own_ar["base"]), "identical_to_own_ar": identical(recs, own),
-            "tpf": m["tpf"],
+            "tpf": m["tpf"], "num_samples": m["num_samples"],
             "tps": m["tps"], "tps_ratio": m["tps"] / table[0]["tps"] if table else 1.0,
-            "alpha": alpha(model, tok, recs, stride) if stride else None,
+            "alpha": alpha(model, tok, recs, stride, args.template) if stride else None,
             "tpf_formula": m.get("isd_tpf_predicted"),
+            "bound": m["tpf"] * latency[1] / latency[2 * stride - 1] if stride and latency else None,
         }
+        row["share_of_bound"] = row["tps_ratio"] / row["bound"] if row["bound"] else None
         table.append(row)
         print(json.dumps(row), flush=True)
 
-    header = ("| decoder | accuracy | = base AR greedy | = own AR greedy | TPF | TPS | TPS / AR | alpha | TPF formula |\n"
-              "|---|---|---|---|---|---|---|---|---|")
+    header = ("| decoder | accuracy | = base AR greedy | = own AR greedy | TPF | TPS | TPS / AR | alpha | TPF formula "
+              "| bound TPF·t(1)/t(2N-1) | share of bound |\n|---|---|---|---|---|---|---|---|---|---|---|")
     fmt = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
     lines = [header] + [
         f"| {r['decoder']} | {r['accuracy']:.1%} | {r['identical_to_base']:.1%} | {r['identical_to_own_ar']:.1%} | "
         f"{r['tpf']:.2f} | {r['tps']:.1f} | "
-        f"{r['tps_ratio']:.2f}x | {fmt(r['alpha'], '.3f')} | {fmt(r['tpf_formula'], '.2f')} |"
+        f"{r['tps_ratio']:.2f}x | {fmt(r['alpha'], '.3f')} | {fmt(r['tpf_formula'], '.2f')} | "
+        f"{fmt(r['bound'], '.2f')} | {fmt(r['share_of_bound'], '.0%')} |"
         for r in table
     ]
     md = "\n".join(lines)

@@ -51,16 +51,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def forward_latency(model, width: int, cache_len: int, repeats: int) -> float:
     """Median seconds of one forward of ``width`` new tokens after a ``cache_len``-token cache."""
-    vocab = model.config.vocab_size
+    vocab, device = model.config.vocab_size, next(model.parameters()).device
     generator = torch.Generator().manual_seed(width)
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
-        model(input_ids=torch.randint(0, vocab, (1, cache_len), generator=generator), past_key_values=cache,
-              use_cache=True)
+        model(input_ids=torch.randint(0, vocab, (1, cache_len), generator=generator).to(device),
+              past_key_values=cache, use_cache=True)
         times = []
         for i in range(repeats + 2):
-            ids = torch.randint(0, vocab, (1, width), generator=generator)
-            positions = torch.arange(cache_len, cache_len + width).unsqueeze(0)
+            ids = torch.randint(0, vocab, (1, width), generator=generator).to(device)
+            positions = torch.arange(cache_len, cache_len + width, device=device).unsqueeze(0)
             start = time.perf_counter()
             logits = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True).logits
             logits[0].argmax(-1).tolist()  # the decoders read the argmax back: part of a step
