@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# bash scripts/real_model_gpu.sh [--smoke]   (one CUDA GPU, after: pardec-import smollm2-135m-instruct)
+# The GPU variants on SmolLM2-135M-Instruct, each step skipped when its output exists: AR fine-tuning
+# (experiment=smollm2_sft_gpu) and its accuracy on val (choosing) and test (reported), the R-ISD gated
+# LoRA and the I-DLM conversion on that base, then ISD / R-ISD against AR greedy on test problems (fp32
+# decoding, so "lossless" is checked token for token without bf16 rounding). Tables go to
+# benchmarks/results/real/gpu_*_<gpu>, the training commands' wall times to gpu_conversions_<gpu>.json.
+# --smoke runs every step with a few steps and problems under *_smoke names (a check of the script
+# itself, on any device).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+py=${PYTHON:-python3}
+tag="" tiny_data=() tiny_steps=() tiny_stages=() problems=${PROBLEMS:-30} eval_n=200 out=benchmarks/results/real
+if [ "${1:-}" = "--smoke" ]; then
+  tag=_smoke problems=2 eval_n=2 out=runs/smoke_results
+  tiny_data=(trainer.micro_batch_size=2 data.max_train_samples=32 trainer.warmup_steps=0) tiny_steps=(trainer.max_steps=2)
+  tiny_stages=("recipe.stages=[{name:stride2,max_steps:1,overrides:{stride:2,alpha:0.2}},{name:stride4,max_steps:1,overrides:{stride:4,alpha:null}}]")
+fi
+mkdir -p "$out"
+sft=runs/smollm2_sft_gpu$tag risd=runs/smollm2_risd_gpu$tag idlm=runs/smollm2_idlm_gpu$tag
+last_stage=$([ -n "$tag" ] && echo 01-stride4 || echo 02-stride4)
+gpu=$($py -c "import torch; print(torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else 'cpu')")
+walls=runs/real_gpu_walls$tag.tsv  # <run> <wall seconds>, one line per finished training command
+
+stamp() { echo "[$(date +%H:%M:%S)] $*"; }
+train() {  # train <run dir> <overrides...>: skipped when the run (its last stage) is done
+  local done_file=$1; shift
+  if [ -f "$done_file" ]; then stamp "done already: $done_file"; return; fi
+  stamp "pardec-train $*"
+  local start=$SECONDS
+  $py -m pardec.cli.train "$@" logging.progress_bar=false 2>&1 | grep -v -E "^\s*$" | tail -n 25
+  stamp "wall $((SECONDS - start)) s: $*"
+  printf '%s\t%s\n' "$(basename "$(dirname "$done_file" | sed 's|/stages/.*||')")" $((SECONDS - start)) >>"$walls"
+}
+
+train $sft/DONE experiment=smollm2_sft_gpu experiment_name=smollm2_sft_gpu$tag "${tiny_data[@]}" "${tiny_steps[@]}"
+for split in val test; do
+  [ -f $sft/eval_$split/metrics.json ] || $py -m pardec.cli.validate checkpoint=$sft/hf decoder=ar_greedy \
+    decoder.batch_size=64 decoder.max_new_tokens=96 data.eval_split=$split data.max_eval_samples=$eval_n \
+    agreement=false progress=false output_dir=$sft/eval_$split >$sft/eval_$split.log 2>&1
+  stamp "SFT base, $split: $(tr -d " \n" <$sft/eval_$split/metrics.json)"
+done
+train $risd/DONE experiment=smollm2_risd_gpu experiment_name=smollm2_risd_gpu$tag model.path=$sft/hf "${tiny_data[@]}" "${tiny_steps[@]}"
+train $idlm/stages/$last_stage/DONE experiment=smollm2_idlm_gpu experiment_name=smollm2_idlm_gpu$tag model.path=$sft/hf \
+  "${tiny_data[@]}" "${tiny_stages[@]}"
+stamp "benchmark: AR greedy vs ISD N=4 (I-DLM) vs R-ISD N=3, $problems test problems"
+$py -m pardec.benchmarks.idlm_isd --base $sft/hf --idlm $idlm/stages/$last_stage/hf --risd $risd/hf \
+  --num-samples "$problems" --strides 4 --no-sample --device auto --dtype float32 --threads 8 \
+  --out $out/gpu_idlm_isd_$gpu
+$py - "$walls" "$out/gpu_conversions_$gpu.json" <<'PY'
+import json, sys
+rows = [line.split("\t") for line in open(sys.argv[1]).read().splitlines()] if __import__("os").path.exists(sys.argv[1]) else []
+json.dump({name: {"wall_seconds": int(seconds)} for name, seconds in rows}, open(sys.argv[2], "w"), indent=2)
+PY
+stamp "finished; conversion wall times: $out/gpu_conversions_$gpu.json"
