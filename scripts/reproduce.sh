@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# bash scripts/reproduce.sh [--only STEP ...] [--dry-run]
+# bash scripts/reproduce.sh [--real] [--only STEP ...] [--dry-run]
 # Sets up .venv (as the quick start does), then runs the embedded default's conversions, their CPU
 # benchmarks and the summary (docs/results/summary.md) in order (pardec/cli/reproduce.py); re-running
-# skips finished steps and resumes an interrupted one.
+# skips finished steps and resumes an interrupted one. --real: the SmolLM2-135M pipeline instead
+# (docs/results/real_cpu.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -1,6 +1,12 @@
-# bash scripts/reproduce.sh            (or: .venv/bin/python -m pardec.cli.reproduce [--only NAME ...] [--dry-run])
+# bash scripts/reproduce.sh [--real]  (or: .venv/bin/python -m pardec.cli.reproduce [--real] [--only NAME ...] [--dry-run])
 """Reproduce the summary table (docs/results/summary.md) on one machine: the embedded default base, each conversion
 (I-DLM, R-ISD, Jacobi Forcing, ReFusion, MDM), each method's benchmark and the summary table.
+
+``--real`` runs the real-model pipeline instead (docs/results/real_cpu.md): SmolLM2-135M-Instruct imported,
+fine-tuned, converted, benchmarked on the 200 test problems and summarised in
+``benchmarks/results/real/summary.md``; its state is ``runs/reproduce_real/`` and its steps use both cores
+(``--threads``, default 2): with a 135M model two threads decode and train faster than one, and nothing
+else runs beside a step.
 
 Steps run in order, each as its own process, with its output in ``runs/reproduce/logs/<step>.log``,
 single-threaded (``OMP_NUM_THREADS=1``, benchmarks ``--threads 1``): on the 2-core machine torch's
@@ -28,6 +34,7 @@ import time
 from pathlib import Path
 
 STATE = Path("runs/reproduce")
+REAL_STATE = Path("runs/reproduce_real")
 PY = [sys.executable]
 TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
@@ -48,8 +55,9 @@ def train(experiment: str, final_stage: str | None = None, launcher: list[str] =
     return Step(experiment, [*launcher, "-m", "pardec.cli.train", f"experiment={experiment}"], run_dir=run_dir)
 
 
-def bench(name: str, args: list[str], inputs: tuple[str, ...]) -> Step:
-    return Step(name, [*PY, "-m", f"pardec.benchmarks.{name}", *args], inputs=inputs)
+def bench(name: str, args: list[str], inputs: tuple[str, ...], module: str | None = None) -> Step:
+    """A step run when its inputs changed; ``module`` defaults to ``pardec.benchmarks.<name>``."""
+    return Step(name, [*PY, "-m", module or f"pardec.benchmarks.{name}", *args], inputs=inputs)
 
 
 BASE = "runs/default_base/hf"
@@ -78,6 +86,21 @@ STEPS: tuple[Step, ...] = (
                           "runs/mdm_default")),
 )
 
+SMOLLM2 = "runs/smollm2_sft"
+REAL = "benchmarks/results/real"
+REAL_STEPS: tuple[Step, ...] = (
+    bench("import", ["smollm2-135m-instruct"], (), module="pardec.cli.import_model"),
+    train("smollm2_sft"),
+    bench("smollm2_sft_eval", [f"checkpoint={SMOLLM2}/hf", "decoder=ar_greedy", "decoder.batch_size=16",
+                               "decoder.max_new_tokens=96", "progress=false"], (SMOLLM2,), module="pardec.cli.validate"),
+    bench("cpu_speed", ["--model", "models/smollm2-135m-instruct", "--out", f"{REAL}/cpu_speed"], (),
+          module="pardec.benchmarks.real_model_speed"),
+    train("smollm2_risd"),
+    bench("cpu_risd", ["--base", f"{SMOLLM2}/hf", "--risd", "runs/smollm2_risd/hf", "--threads", "2",
+                       "--out", f"{REAL}/cpu_risd"], (SMOLLM2, "runs/smollm2_risd"), module="pardec.benchmarks.idlm_isd"),
+    bench("real_summary", [], (SMOLLM2, "runs/smollm2_risd")),
+)
+
 
 def inputs_digest(step: Step) -> str:
     """Digest of the DONE files a benchmark reads; a missing one is an error (order is wrong)."""
@@ -90,16 +113,16 @@ def inputs_digest(step: Step) -> str:
     return digest.hexdigest()
 
 
-def is_done(step: Step) -> bool:
+def is_done(step: Step, state: Path) -> bool:
     if step.run_dir is not None:
         return (Path(step.run_dir) / "DONE").is_file()
-    marker = STATE / f"{step.name}.done"
+    marker = state / f"{step.name}.done"
     return marker.is_file() and marker.read_text().strip() == inputs_digest(step)
 
 
-def mark_done(step: Step) -> None:
+def mark_done(step: Step, state: Path) -> None:
     if step.run_dir is None:
-        marker = STATE / f"{step.name}.done"
+        marker = state / f"{step.name}.done"
         tmp = marker.with_suffix(".tmp")
         tmp.write_text(inputs_digest(step) + "\n")
         tmp.replace(marker)
@@ -115,12 +138,12 @@ def last_line(path: Path) -> str:
     return tail[-1][:150] if tail else ""
 
 
-def run_step(step: Step, index: int, total: int, heartbeat_s: float) -> float:
+def run_step(step: Step, index: int, total: int, heartbeat_s: float, state: Path, threads: int) -> float:
     """Run one step; its time so far is kept in steps.json at every heartbeat, so an attempt that is
     killed (a session or job ending) still counts when a later invocation finishes the step."""
-    log_path = STATE / "logs" / f"{step.name}.log"
+    log_path = state / "logs" / f"{step.name}.log"
     print(f"[{index}/{total}] {step.name}: {' '.join(step.command[1:])}  (log: {log_path})", flush=True)
-    previous = step_times().get(step.name, {})
+    previous = step_times(state).get(step.name, {})
     earlier = previous.get("seconds", 0.0) if previous.get("finished") is None else 0.0  # unfinished attempts
     start = time.perf_counter()
     stop = threading.Event()
@@ -128,7 +151,7 @@ def run_step(step: Step, index: int, total: int, heartbeat_s: float) -> float:
     def beat() -> None:
         while not stop.wait(heartbeat_s):
             elapsed = time.perf_counter() - start
-            record(step.name, earlier + elapsed, finished=False)
+            record(state, step.name, earlier + elapsed, finished=False)
             print(f"    ... {step.name} {elapsed:6.0f} s | {last_line(log_path)}", flush=True)
 
     with log_path.open("a") as log:
@@ -138,29 +161,29 @@ def run_step(step: Step, index: int, total: int, heartbeat_s: float) -> float:
         beater.start()
         try:
             code = subprocess.call(step.command, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                   env={**os.environ, "OMP_NUM_THREADS": str(threads)})
         finally:
             stop.set()
             beater.join()
     seconds = earlier + time.perf_counter() - start
-    record(step.name, seconds, finished=code == 0)
+    record(state, step.name, seconds, finished=code == 0)
     if code != 0:
         raise SystemExit(f"step {step.name!r} failed with exit code {code} after {seconds:.0f} s; "
                          f"see {log_path}; re-run the same command to resume")
-    mark_done(step)
+    mark_done(step, state)
     return seconds
 
 
-def step_times() -> dict:
-    path = STATE / "steps.json"
+def step_times(state: Path) -> dict:
+    path = state / "steps.json"
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def record(name: str, seconds: float, finished: bool) -> None:
+def record(state: Path, name: str, seconds: float, finished: bool) -> None:
     """Wall seconds of a step over all its attempts; ``finished`` is the time it completed, or null."""
-    steps = step_times()
+    steps = step_times(state)
     steps[name] = {"seconds": round(seconds, 1), "finished": time.strftime("%Y-%m-%d %H:%M:%S") if finished else None}
-    path = STATE / "steps.json"
+    path = state / "steps.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(steps, indent=2) + "\n")
     tmp.replace(path)
@@ -168,31 +191,36 @@ def record(name: str, seconds: float, finished: bool) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--real", action="store_true", help="the real-model pipeline (SmolLM2-135M-Instruct)")
     parser.add_argument("--only", nargs="+", metavar="STEP", help="run just these steps (in pipeline order)")
     parser.add_argument("--dry-run", action="store_true", help="list the steps and whether each is done")
     parser.add_argument("--heartbeat", type=float, default=60.0, help="seconds between progress lines")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="OMP_NUM_THREADS of every step (default: 1 for the embedded pipeline, 2 for --real)")
     args = parser.parse_args(argv)
-    names = [s.name for s in STEPS]
+    all_steps, state = (REAL_STEPS, REAL_STATE) if args.real else (STEPS, STATE)
+    threads = args.threads or (2 if args.real else 1)
+    names = [s.name for s in all_steps]
     unknown = sorted(set(args.only or ()) - set(names))
     if unknown:
         raise SystemExit(f"unknown step(s) {unknown}; steps: {names}")
-    steps = [s for s in STEPS if not args.only or s.name in args.only]
-    (STATE / "logs").mkdir(parents=True, exist_ok=True)
+    steps = [s for s in all_steps if not args.only or s.name in args.only]
+    (state / "logs").mkdir(parents=True, exist_ok=True)
     if args.dry_run:
         for i, step in enumerate(steps, 1):
-            state = "done" if (step.run_dir or all((Path(d) / "DONE").is_file() for d in step.inputs)) \
-                and is_done(step) else "to run"
-            print(f"[{i}/{len(steps)}] {step.name:24s} {state:7s} {' '.join(step.command[1:])}")
+            done = (step.run_dir or all((Path(d) / "DONE").is_file() for d in step.inputs)) and is_done(step, state)
+            print(f"[{i}/{len(steps)}] {step.name:24s} {'done' if done else 'to run':7s} {' '.join(step.command[1:])}")
         return
     wall = time.perf_counter()
     for i, step in enumerate(steps, 1):
-        if is_done(step):
+        if is_done(step, state):
             print(f"[{i}/{len(steps)}] {step.name}: done, skipped", flush=True)
             continue
-        seconds = run_step(step, i, len(steps), args.heartbeat)
+        seconds = run_step(step, i, len(steps), args.heartbeat, state, threads)
         print(f"[{i}/{len(steps)}] {step.name}: finished in {seconds / 60:.1f} min", flush=True)
+    table = "benchmarks/results/real/summary.md" if args.real else "benchmarks/results/summary.md"
     print(f"all steps done ({(time.perf_counter() - wall) / 60:.1f} min this invocation; per-step times in "
-          f"{STATE / 'steps.json'}).\nSummary table: benchmarks/results/summary.md (plot: benchmarks/results/summary.png)")
+          f"{state / 'steps.json'}).\nSummary table: {table} (plot: {table[:-3]}.png)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,189 @@
+# python -m pardec.benchmarks.real_summary     (the last step of: bash scripts/reproduce.sh --real)
+"""Every conversion of SmolLM2-135M-Instruct side by side, and the plot of both bases.
+
+Nothing is measured here: the rows are read from the JSON the real-model benchmarks wrote under
+``benchmarks/results/real/`` (the same columns as the embedded summary, ``pardec.benchmarks.summary``,
+plus the hardware and the number of test problems), the CPU conversion wall times from the reproduce
+driver's ``runs/reproduce_real/steps.json`` and the GPU ones from the ``gpu_conversions_<gpu>.json`` the
+GPU run left (``scripts/real_model_gpu.sh``). A row whose benchmark has not been run yet is listed
+below the table with the command that makes it, so the table grows as conversions land.
+
+Writes ``summary.md``, ``summary.json`` and ``summary.png`` to ``--out-dir`` (default
+``benchmarks/results/real``): accuracy against TPS / base AR for every decoder on both bases, the
+embedded default's rows read from ``benchmarks/results/summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from pardec.benchmarks.common import RESULTS
+from pardec.benchmarks.summary import lossless_status, minutes
+
+REAL_RESULTS = RESULTS / "real"
+
+
+@dataclasses.dataclass(frozen=True)
+class RealRow:
+    """One (checkpoint, decoder) on SmolLM2: ``source`` is the results file's stem, ``decoder`` the row
+    label in it; ``conversion`` the run that trained the checkpoint (its wall time's key); ``lossless``
+    the AR greedy the decoder reproduces by construction ("base" or "own"), None for no claim."""
+
+    method: str
+    checkpoint: str
+    hardware: str
+    source: str
+    decoder: str
+    short: str
+    conversion: str
+    lossless: str | None
+    command: str
+
+
+CPU = "CPU, 2 cores"
+H100 = "H100"
+RISD_CPU = ("python -m pardec.cli.reproduce --real --only smollm2_risd cpu_risd")
+GPU_RUN = "PROBLEMS=30 bash scripts/real_model_gpu.sh (docs/results/real_gpu.md)"
+IDLM_CPU = ("pardec-train experiment=smollm2_idlm, then python -m pardec.benchmarks.idlm_isd --base runs/smollm2_sft/hf "
+            "--idlm runs/smollm2_idlm/stages/02-stride4/hf --strides 2 3 4 --no-sample --out benchmarks/results/real/cpu_idlm")
+ROWS: tuple[RealRow, ...] = (
+    RealRow("AR", "SmolLM2 SFT (CPU)", CPU, "cpu_risd", "AR greedy (base)", "AR greedy", "smollm2_sft", "base",
+            RISD_CPU),
+    RealRow("R-ISD", "gated LoRA on the CPU SFT base", CPU, "cpu_risd", "R-ISD N=3 greedy (gated LoRA)", "R-ISD N=3",
+            "smollm2_risd", "base", RISD_CPU),
+    RealRow("I-DLM", "I-DLM (stride 4) on the CPU SFT base", CPU, "cpu_idlm", "ISD N=4 greedy", "ISD N=4",
+            "smollm2_idlm", "own", IDLM_CPU),
+    RealRow("AR", "SmolLM2 SFT (GPU)", H100, "gpu_risd_h100", "AR greedy (base)", "AR greedy", "smollm2_sft_gpu",
+            "base", GPU_RUN),
+    RealRow("R-ISD", "gated LoRA on the GPU SFT base", H100, "gpu_risd_h100", "R-ISD N=3 greedy (gated LoRA)",
+            "R-ISD N=3", "smollm2_risd_gpu", "base", GPU_RUN),
+    RealRow("I-DLM", "I-DLM (stride 4) on the GPU SFT base", H100, "gpu_idlm_isd_h100", "ISD N=4 greedy", "ISD N=4",
+            "smollm2_idlm_gpu", "own", GPU_RUN),
+)
+
+
+def conversion_seconds(runs_dir: Path, results_dir: Path) -> dict[str, float]:
+    """Wall seconds per conversion: finished steps of the CPU reproduce run, then each GPU run's file."""
+    seconds: dict[str, float] = {}
+    steps = runs_dir / "reproduce_real" / "steps.json"
+    if steps.is_file():
+        seconds.update({k: v["seconds"] for k, v in json.loads(steps.read_text()).items() if v.get("finished")})
+    for path in sorted(results_dir.glob("gpu_conversions_*.json")):
+        seconds.update({k: v["wall_seconds"] for k, v in json.loads(path.read_text()).items()})
+    return seconds
+
+
+def build(results_dir: Path, seconds: dict[str, float]) -> tuple[list[dict], list[RealRow]]:
+    """(table rows, rows whose results file does not exist yet)."""
+    table, missing = [], []
+    for row in ROWS:
+        path = results_dir / f"{row.source}.json"
+        if not path.is_file():
+            missing.append(row)
+            continue
+        by_label = {r["decoder"]: r for r in json.loads(path.read_text())}
+        if row.decoder not in by_label:
+            raise SystemExit(f"{path} has no row {row.decoder!r} (rows: {sorted(by_label)}); re-run `{row.command}`")
+        result = by_label[row.decoder]
+        verified, lossless = lossless_status(row, result.get("identical_to_base"), result.get("identical_to_own_ar"))
+        table.append({
+            "method": row.method, "checkpoint": row.checkpoint, "hardware": row.hardware, "decoder": row.decoder,
+            "source": row.source, "accuracy": result["accuracy"], "identical_to_base": result.get("identical_to_base"),
+            "tpf": result["tpf"], "tps_ratio": result.get("tps_ratio"), "lossless": lossless,
+            "lossless_verified": verified, "conversion": row.conversion,
+            "conversion_seconds": seconds.get(row.conversion), "short": row.short,
+            "num_problems": result.get("num_samples"),
+        })
+    return table, missing
+
+
+def markdown(table: list[dict], missing: list[RealRow]) -> str:
+    def fmt(value, spec: str, suffix: str = "") -> str:
+        return "—" if value is None else format(value, spec) + suffix
+
+    lines = ["| method | checkpoint | decoder | hardware | test problems | accuracy | = base AR | TPF | TPS / base AR | "
+             "lossless | conversion wall time |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in table:
+        base = " (the base's fine-tuning)" if r["method"] == "AR" else ""
+        lines.append(f"| {r['method']} | {r['checkpoint']} | {r['decoder']} | {r['hardware']} | "
+                     f"{fmt(r['num_problems'], 'd')} | {r['accuracy']:.1%} | "
+                     f"{fmt(r['identical_to_base'], '.1%')} | {r['tpf']:.2f} | {fmt(r['tps_ratio'], '.2f', 'x')} | "
+                     f"{r['lossless']} | {minutes(r['conversion_seconds'])}{base} |")
+    if missing:
+        lines += ["", "Not measured yet:"]
+        lines += [f"- {r.method}, {r.checkpoint}, {r.decoder} ({r.hardware}): `{r.command}`" for r in missing]
+    return "\n".join(lines)
+
+
+def plot(embedded: list[dict], real: list[dict], path: Path) -> None:
+    """Accuracy against TPS / base AR, one panel per base; colour per method, lossless (verified)
+    decoders as stars, filled for the CPU and hollow for a GPU."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(r["method"] for r in [*embedded, *real]))
+    colours = {m: plt.get_cmap("tab10")(i) for i, m in enumerate(methods)}
+    fig, axes = plt.subplots(1, 2, figsize=(14, 6))
+    panels = [(axes[0], embedded, "embedded default (0.8M, CPU)"), (axes[1], real, "SmolLM2-135M-Instruct")]
+    for ax, rows, title in panels:
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.set_xlabel("TPS / base AR greedy (same run)")
+        for r in rows:
+            if r.get("tps_ratio") is None:
+                continue
+            gpu = r.get("hardware", CPU) != CPU
+            colour = colours[r["method"]]
+            ax.scatter(r["tps_ratio"], 100 * r["accuracy"], marker="*" if r["lossless_verified"] else "o",
+                       s=180 if r["lossless_verified"] else 60, edgecolors=colour if gpu else "black",
+                       facecolors="none" if gpu else colour, linewidths=1.2, zorder=3)
+            label = r["short"] + (f" ({r['hardware']})" if gpu else "")
+            ax.annotate(label, (r["tps_ratio"], 100 * r["accuracy"]), fontsize=7, textcoords="offset points",
+                        xytext=(5, 5))
+        ax.axvline(1.0, color="grey", lw=0.8, ls="--")
+        shown = [r for r in rows if r.get("tps_ratio") is not None]
+        if shown:
+            ratios, accuracies = [r["tps_ratio"] for r in shown], [100 * r["accuracy"] for r in shown]
+            ax.set_xlim(min(0.5, min(ratios) - 0.1), max(ratios) + 0.3)
+            ax.set_ylim(min(accuracies) - 3, min(101.0, max(accuracies) + 2))
+    axes[0].set_ylabel("accuracy on the held-out test problems (%)")
+    for m in methods:
+        axes[1].scatter([], [], color=colours[m], marker="o", label=m)
+    axes[1].scatter([], [], color="white", edgecolors="black", marker="*", s=180, label="lossless (verified)")
+    axes[1].scatter([], [], facecolors="none", edgecolors="black", marker="o", label="GPU (hollow)")
+    axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--results-dir", type=Path, default=REAL_RESULTS, help="where the real-model benchmarks wrote")
+    p.add_argument("--embedded", type=Path, default=RESULTS / "summary.json", help="the embedded summary's JSON")
+    p.add_argument("--runs-dir", type=Path, default=Path("runs"), help="holds reproduce_real/steps.json")
+    p.add_argument("--out-dir", type=Path, default=REAL_RESULTS)
+    args = p.parse_args(argv)
+
+    table, missing = build(args.results_dir, conversion_seconds(args.runs_dir, args.results_dir))
+    if not table:
+        raise SystemExit(f"no real-model results in {args.results_dir}: run `bash scripts/reproduce.sh --real`")
+    md = markdown(table, missing)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "summary.md").write_text(
+        "Command: python -m pardec.benchmarks.real_summary (reads the real-model benchmarks' JSON in this folder, "
+        "runs/reproduce_real/steps.json and gpu_conversions_*.json; see the module docstring)\n\n" + md + "\n")
+    (args.out_dir / "summary.json").write_text(json.dumps(table, indent=2) + "\n")
+    embedded = json.loads(args.embedded.read_text()) if args.embedded.is_file() else []
+    plot(embedded, table, args.out_dir / "summary.png")
+    print(md)
+    print(f"\nwrote {args.out_dir / 'summary.md'}, summary.json and summary.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""pardec.benchmarks.real_summary: rows read from the real-model benchmarks' JSON, wall times from the
+CPU reproduce run and the GPU run's file, rows not yet measured listed with their command, and a
+lossless claim shown as verified only at a measured 100% identity."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pardec.benchmarks import real_summary
+
+
+def bench_row(decoder: str, identical: float, tpf: float, ratio: float) -> dict:
+    return {"decoder": decoder, "accuracy": 0.7, "identical_to_base": identical, "identical_to_own_ar": identical,
+            "tpf": tpf, "num_samples": 200, "tps": 10.0 * ratio, "tps_ratio": ratio}
+
+
+@pytest.fixture
+def folders(tmp_path):
+    results, runs = tmp_path / "results", tmp_path / "runs"
+    results.mkdir()
+    (runs / "reproduce_real").mkdir(parents=True)
+    (runs / "reproduce_real" / "steps.json").write_text(json.dumps({
+        "smollm2_risd": {"seconds": 3000.0, "finished": "2026-11-26 18:50:00"},
+        "smollm2_sft": {"seconds": 10.0, "finished": None},  # an unfinished attempt has no wall time
+    }))
+    (results / "gpu_conversions_h100.json").write_text(json.dumps({"smollm2_risd_gpu": {"wall_seconds": 229}}))
+    return results, runs
+
+
+def test_measured_rows_missing_rows_and_wall_times(folders, tmp_path):
+    results, runs = folders
+    (results / "cpu_risd.json").write_text(json.dumps([
+        bench_row("AR greedy (base)", 1.0, 1.0, 1.0), bench_row("R-ISD N=3 greedy (gated LoRA)", 1.0, 2.4, 1.5)]))
+    real_summary.main(["--results-dir", str(results), "--runs-dir", str(runs), "--out-dir", str(tmp_path / "out"),
+                       "--embedded", str(tmp_path / "absent.json")])
+    table = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [(r["method"], r["hardware"]) for r in table] == [("AR", real_summary.CPU), ("R-ISD", real_summary.CPU)]
+    risd = table[1]
+    assert risd["lossless_verified"] and risd["tps_ratio"] == 1.5 and risd["conversion_seconds"] == 3000.0
+    assert table[0]["conversion_seconds"] is None  # the SFT step never finished in the reproduce run
+    md = (tmp_path / "out" / "summary.md").read_text()
+    assert "| 200 | 70.0% |" in md and "50.0 min" in md
+    assert "Not measured yet:" in md and "(H100): `PROBLEMS=30 bash scripts/real_model_gpu.sh" in md
+    assert (tmp_path / "out" / "summary.png").stat().st_size > 0
+
+
+def test_a_claim_below_100_percent_is_not_verified(folders, tmp_path):
+    results, runs = folders
+    (results / "gpu_risd_h100.json").write_text(json.dumps([
+        bench_row("AR greedy (base)", 1.0, 1.0, 1.0), bench_row("R-ISD N=3 greedy (gated LoRA)", 0.95, 2.8, 1.0)]))
+    table, missing = real_summary.build(results, real_summary.conversion_seconds(runs, results))
+    risd = table[1]
+    assert not risd["lossless_verified"] and risd["lossless"] == "claimed (= base AR) but 95.0% identical"
+    assert risd["conversion_seconds"] == 229
+    assert [r.source for r in missing] == ["cpu_risd", "cpu_risd", "cpu_idlm", "gpu_idlm_isd_h100"]
+
+
+def test_no_results_and_a_missing_row_are_named(folders, tmp_path):
+    results, runs = folders
+    with pytest.raises(SystemExit, match="reproduce.sh --real"):
+        real_summary.main(["--results-dir", str(results), "--runs-dir", str(runs), "--out-dir", str(tmp_path)])
+    (results / "cpu_risd.json").write_text(json.dumps([bench_row("AR greedy (base)", 1.0, 1.0, 1.0)]))
+    with pytest.raises(SystemExit, match="no row 'R-ISD N=3 greedy"):
+        real_summary.build(results, {})
