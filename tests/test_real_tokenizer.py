@@ -183,3 +183,15 @@ def test_lossless_decoders_equal_ar_greedy_on_chat_prompts(name, chat_ckpt):
     assert result.metrics["agreement_exact"] == 1.0
     for record in result.records:
         assert record["output_ids"] == record["reference_ids"] and len(record["output_ids"]) == 16
+
+
+def test_evaluate_renders_a_chat_models_prompts_through_its_template_by_default(chat_ckpt):
+    """evaluate()'s default template is ``auto`` (as data.template): a benchmark that names none feeds a
+    chat model the chat-rendered prompt it was trained on, and the embedded tokenizer its plain prompt."""
+    model, tok = chat_model(chat_ckpt, {})
+    rows = datasets.Dataset.from_list(EVAL_ROWS[:2])
+    decoder = {"name": "ar", "max_new_tokens": 2}
+    records = evaluate(model, tok, rows, decoder, shard=False, agreement=False).records
+    for record in records:
+        chat = format_prompt_ids(tok, record["prompt"], "chat")
+        assert record["prompt_tokens"] == len(chat) != len(format_prompt_ids(tok, record["prompt"], "plain"))

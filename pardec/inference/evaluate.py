@@ -5,7 +5,9 @@
 already in memory (pass the bare module, not a DeepSpeed engine). Prompts are formatted exactly as
 training saw them (:func:`pardec.data_pipelines.tokenize.format_prompt_ids`: ``plain`` = the prompt text
 tokenised without special tokens, ``chat`` = the tokenizer's chat template with the generation
-prompt); with ``add_bos`` a plain prompt is prefixed with the tokenizer's BOS when it has one.
+prompt, ``auto`` (the default, as ``data.template``) = chat for a tokenizer with a chat template,
+else plain, so a benchmark that does not name a template renders a chat model's prompts as its
+training did); with ``add_bos`` a plain prompt is prefixed with the tokenizer's BOS when it has one.
 
 When a process group with more than one rank is running and ``shard`` is true, each rank decodes
 its strided shard and rank 0 gathers the records (see ``pardec.inference.distributed``); the metrics are
@@ -69,7 +71,7 @@ def evaluate(
     eval_dataset: datasets.Dataset,
     decoder_cfg: Mapping[str, Any] | DictConfig | DecoderConfig,
     *,
-    template: str = "plain",
+    template: str = "auto",
     add_bos: bool = False,
     agreement: bool = True,
     reference_batch_size: int = 1,
