@@ -47,8 +47,7 @@ CPU = "CPU, 2 cores"
 H100 = "H100"
 RISD_CPU = ("python -m pardec.cli.reproduce --real --only smollm2_risd cpu_risd")
 GPU_RUN = "PROBLEMS=30 bash scripts/real_model_gpu.sh (docs/results/real_gpu.md)"
-IDLM_CPU = ("pardec-train experiment=smollm2_idlm, then python -m pardec.benchmarks.idlm_isd --base runs/smollm2_sft/hf "
-            "--idlm runs/smollm2_idlm/stages/02-stride4/hf --strides 2 3 4 --no-sample --out benchmarks/results/real/cpu_idlm")
+IDLM_CPU = "python -m pardec.cli.reproduce --real --only smollm2_idlm cpu_idlm"
 ROWS: tuple[RealRow, ...] = (
     RealRow("AR", "SmolLM2 SFT (CPU)", CPU, "cpu_risd", "AR greedy (base)", "AR greedy", "smollm2_sft", "base",
             RISD_CPU),

@@ -88,6 +88,7 @@ STEPS: tuple[Step, ...] = (
 
 SMOLLM2 = "runs/smollm2_sft"
 REAL = "benchmarks/results/real"
+REAL_IDLM = "runs/smollm2_idlm/stages/02-stride4"
 REAL_STEPS: tuple[Step, ...] = (
     bench("import", ["smollm2-135m-instruct"], (), module="pardec.cli.import_model"),
     train("smollm2_sft"),
@@ -98,7 +99,11 @@ REAL_STEPS: tuple[Step, ...] = (
     train("smollm2_risd"),
     bench("cpu_risd", ["--base", f"{SMOLLM2}/hf", "--risd", "runs/smollm2_risd/hf", "--threads", "2",
                        "--out", f"{REAL}/cpu_risd"], (SMOLLM2, "runs/smollm2_risd"), module="pardec.benchmarks.idlm_isd"),
-    bench("real_summary", [], (SMOLLM2, "runs/smollm2_risd")),
+    train("smollm2_idlm", "02-stride4"),
+    bench("cpu_idlm", ["--base", f"{SMOLLM2}/hf", "--idlm", f"{REAL_IDLM}/hf", "--strides", "2", "3", "4", "--no-sample",
+                       "--threads", "2", "--out", f"{REAL}/cpu_idlm"], (SMOLLM2, REAL_IDLM),
+          module="pardec.benchmarks.idlm_isd"),
+    bench("real_summary", [], (SMOLLM2, "runs/smollm2_risd", REAL_IDLM)),
 )
 
 
