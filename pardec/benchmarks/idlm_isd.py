@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
             "alpha": alpha(model, tok, recs, stride, args.template) if stride else None,
             "tpf_formula": m.get("isd_tpf_predicted"),
             "bound": m["tpf"] * latency[1] / latency[2 * stride - 1] if stride and latency else None,
+            "t_verify_over_t_1": latency[2 * stride - 1] / latency[1] if stride and latency else None,
         }
         row["share_of_bound"] = row["tps_ratio"] / row["bound"] if row["bound"] else None
         table.append(row)

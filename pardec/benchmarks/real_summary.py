@@ -133,23 +133,27 @@ def plot(embedded: list[dict], real: list[dict], path: Path) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.set_xlabel("TPS / base AR greedy (same run)")
-        for r in rows:
-            if r.get("tps_ratio") is None:
-                continue
+        shown = [r for r in rows if r.get("tps_ratio") is not None]
+        if shown:
+            ratios, accuracies = [r["tps_ratio"] for r in shown], [100 * r["accuracy"] for r in shown]
+            ax.set_xlim(min(0.5, min(ratios) - 0.1), max(ratios) + 0.3)
+            ax.set_ylim(min(accuracies) - 3, min(101.0, max(accuracies) + 2))
+        placed: list[tuple[float, float]] = []
+        for r in shown:
             gpu = r.get("hardware", CPU) != CPU
             colour = colours[r["method"]]
             ax.scatter(r["tps_ratio"], 100 * r["accuracy"], marker="*" if r["lossless_verified"] else "o",
                        s=180 if r["lossless_verified"] else 60, edgecolors=colour if gpu else "black",
                        facecolors="none" if gpu else colour, linewidths=1.2, zorder=3)
             label = r["short"] + (f" ({r['hardware']})" if gpu else "")
-            ax.annotate(label, (r["tps_ratio"], 100 * r["accuracy"]), fontsize=7, textcoords="offset points",
-                        xytext=(5, 5))
+            x, y = r["tps_ratio"], 100 * r["accuracy"]
+            # the next free label slot among the points close by (up-right, down-right, up-left, down-left)
+            close = sum(abs(x - px) < 0.15 and abs(y - py) < 0.04 * (ax.get_ylim()[1] - ax.get_ylim()[0])
+                        for px, py in placed)
+            ax.annotate(label, (x, y), fontsize=7, textcoords="offset points",
+                        xytext=[(6, 5), (6, -12), (-60, 5), (-60, -12)][close % 4])
+            placed.append((x, y))
         ax.axvline(1.0, color="grey", lw=0.8, ls="--")
-        shown = [r for r in rows if r.get("tps_ratio") is not None]
-        if shown:
-            ratios, accuracies = [r["tps_ratio"] for r in shown], [100 * r["accuracy"] for r in shown]
-            ax.set_xlim(min(0.5, min(ratios) - 0.1), max(ratios) + 0.3)
-            ax.set_ylim(min(accuracies) - 3, min(101.0, max(accuracies) + 2))
     axes[0].set_ylabel("accuracy on the held-out test problems (%)")
     for m in methods:
         axes[1].scatter([], [], color=colours[m], marker="o", label=m)
