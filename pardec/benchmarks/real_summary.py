@@ -45,7 +45,7 @@ class RealRow:
 
 CPU = "CPU, 2 cores"
 H100 = "H100"
-RISD_CPU = ("python -m pardec.cli.reproduce --real --only smollm2_risd cpu_risd")
+RISD_CPU = "python -m pardec.cli.reproduce --real --only smollm2_risd cpu_risd"
 GPU_RUN = "PROBLEMS=30 bash scripts/real_model_gpu.sh (docs/results/real_gpu.md)"
 IDLM_CPU = "python -m pardec.cli.reproduce --real --only smollm2_idlm cpu_idlm"
 ROWS: tuple[RealRow, ...] = (
