@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # bash scripts/real_model_gpu.sh [--smoke]   (one CUDA GPU, after: pardec-import smollm2-135m-instruct)
 # The GPU variants on SmolLM2-135M-Instruct, each step skipped when its output exists: AR fine-tuning
-# (experiment=smollm2_sft_gpu) and its accuracy on val (choosing) and test (reported), the R-ISD gated
-# LoRA and the I-DLM conversion on that base, then ISD / R-ISD against AR greedy on test problems (fp32
+# (experiment=smollm2_sft_gpu) and its accuracy on val (choosing) and test (reported), the I-DLM
+# conversion and the R-ISD gated LoRA on that base, then ISD / R-ISD against AR greedy on test problems (fp32
 # decoding, so "lossless" is checked token for token without bf16 rounding). Tables go to
 # benchmarks/results/real/gpu_*_<gpu>, the training commands' wall times to gpu_conversions_<gpu>.json.
 # --smoke runs every step with a few steps and problems under *_smoke names (a check of the script
@@ -41,16 +41,17 @@ for split in val test; do
     agreement=false progress=false output_dir=$sft/eval_$split >$sft/eval_$split.log 2>&1
   stamp "SFT base, $split: $(tr -d " \n" <$sft/eval_$split/metrics.json)"
 done
-train $risd/DONE experiment=smollm2_risd_gpu experiment_name=smollm2_risd_gpu$tag model.path=$sft/hf "${tiny_data[@]}" "${tiny_steps[@]}"
+# I-DLM first: the 2026-11-26 H100 run measured R-ISD and ran out of device time in I-DLM's last stage.
 train $idlm/stages/$last_stage/DONE experiment=smollm2_idlm_gpu experiment_name=smollm2_idlm_gpu$tag model.path=$sft/hf \
   "${tiny_data[@]}" "${tiny_stages[@]}"
+train $risd/DONE experiment=smollm2_risd_gpu experiment_name=smollm2_risd_gpu$tag model.path=$sft/hf "${tiny_data[@]}" "${tiny_steps[@]}"
 stamp "benchmark: AR greedy vs ISD N=4 (I-DLM) vs R-ISD N=3, $problems test problems"
 $py -m pardec.benchmarks.idlm_isd --base $sft/hf --idlm $idlm/stages/$last_stage/hf --risd $risd/hf \
   --num-samples "$problems" --strides 4 --no-sample --device auto --dtype float32 --threads 8 \
   --out $out/gpu_idlm_isd_$gpu
 $py - "$walls" "$out/gpu_conversions_$gpu.json" <<'PY'
-import json, sys
-rows = [line.split("\t") for line in open(sys.argv[1]).read().splitlines()] if __import__("os").path.exists(sys.argv[1]) else []
+import json, os, sys
+rows = [line.split("\t") for line in open(sys.argv[1]).read().splitlines()] if os.path.exists(sys.argv[1]) else []
 json.dump({name: {"wall_seconds": int(seconds)} for name, seconds in rows}, open(sys.argv[2], "w"), indent=2)
 PY
 stamp "finished; conversion wall times: $out/gpu_conversions_$gpu.json"
