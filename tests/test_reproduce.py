@@ -75,3 +75,19 @@ def test_every_step_runs_a_module_that_exists():
     assert modules and all(m.startswith(("pardec.", "torch.")) for m in modules), modules
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     assert not missing, missing
+
+
+def test_real_pipeline_keeps_its_own_state_and_runs_steps_on_two_threads(pipeline, monkeypatch):
+    """--real runs REAL_STEPS with state in runs/reproduce_real (the embedded state is untouched) and
+    OMP_NUM_THREADS=2 in each step unless --threads says otherwise."""
+    step = reproduce.Step("threads", py("import os, pathlib; p = pathlib.Path('omp'); "
+                                        "p.write_text(p.read_text() + os.environ['OMP_NUM_THREADS'] if p.exists() "
+                                        "else os.environ['OMP_NUM_THREADS'])"))
+    monkeypatch.setattr(reproduce, "REAL_STEPS", (step,))
+    reproduce.main(["--real"])
+    assert (pipeline / "omp").read_text() == "2"
+    assert set(json.loads((pipeline / "runs/reproduce_real/steps.json").read_text())) == {"threads"}
+    assert not (pipeline / "runs/reproduce/steps.json").exists()
+    (pipeline / "runs/reproduce_real/threads.done").unlink()
+    reproduce.main(["--real", "--threads", "1"])
+    assert (pipeline / "omp").read_text() == "21"
