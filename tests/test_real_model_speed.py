@@ -23,3 +23,22 @@ def test_tables_are_written_with_a_lossless_jacobi_row(tmp_path):
     assert jacobi["bound"] is not None
     text = out.with_suffix(".md").read_text()
     assert text.startswith("Command: python -m pardec.benchmarks.real_model_speed") and "Jacobi n=4" in text
+
+
+def test_widths_are_timed_in_turn_from_the_same_cache(tmp_path):
+    """forward_latencies interleaves the widths (a slow spell hits all alike) and every timed forward
+    sees the same cache length: the prefill, then width after width, round after round."""
+    from pardec.inference.checkpoint import load_checkpoint
+
+    model, _ = load_checkpoint(save_chat_checkpoint(tmp_path / "ckpt"), device="cpu")
+    seen = []
+    original = model.forward
+
+    def recording_forward(*args, **kwargs):
+        seen.append((kwargs["input_ids"].shape[1], kwargs["past_key_values"].get_seq_length()))
+        return original(*args, **kwargs)
+
+    model.forward = recording_forward
+    seconds = real_model_speed.forward_latencies(model, [1, 3], cache_len=8, repeats=2)
+    assert sorted(seconds) == [1, 3] and all(s > 0 for s in seconds.values())
+    assert seen == [(8, 0)] + [(1, 8), (3, 8)] * 4  # 2 warm-up rounds + 2 timed

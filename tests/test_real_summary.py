@@ -54,7 +54,7 @@ def test_a_claim_below_100_percent_is_not_verified(folders, tmp_path):
     risd = table[1]
     assert not risd["lossless_verified"] and risd["lossless"] == "claimed (= base AR) but 95.0% identical"
     assert risd["conversion_seconds"] == 229
-    assert [r.source for r in missing] == ["cpu_risd", "cpu_risd", "cpu_idlm", "gpu_idlm_isd_h100"]
+    assert [r.source for r in missing] == ["cpu_risd", "cpu_risd", "cpu_idlm", "cpu_refusion", "gpu_idlm_isd_h100"]
 
 
 def test_no_results_and_a_missing_row_are_named(folders, tmp_path):
@@ -64,3 +64,26 @@ def test_no_results_and_a_missing_row_are_named(folders, tmp_path):
     (results / "cpu_risd.json").write_text(json.dumps([bench_row("AR greedy (base)", 1.0, 1.0, 1.0)]))
     with pytest.raises(SystemExit, match="no row 'R-ISD N=3 greedy"):
         real_summary.build(results, {})
+
+
+def test_refusion_row_is_the_setting_chosen_on_validation(folders):
+    """The ReFusion benchmark's JSON is a dict: its test rows, and the label of the setting it chose on
+    val; the row makes no lossless claim, and "= own AR" may be absent (--no-own-ar)."""
+    results, runs = folders
+    chosen, other = "ReFusion b=16 tau=0.7 first_token=mask", "ReFusion b=16 tau=0.5 first_token=mask"
+    rows = [bench_row("AR greedy (base)", 1.0, 1.0, 1.0), bench_row(other, 0.2, 3.1, 2.0),
+            bench_row(chosen, 0.3, 2.6, 1.8)]
+    for row in rows:
+        row["identical_to_own_ar"] = None
+    (results / "cpu_refusion.json").write_text(json.dumps({"chosen_label": chosen, "test": rows}))
+    table, _ = real_summary.build(results, {})
+    (refusion,) = [r for r in table if r["method"] == "ReFusion"]
+    assert (refusion["decoder"], refusion["tpf"], refusion["tps_ratio"]) == (chosen, 2.6, 1.8)
+    assert refusion["lossless"] == "no" and not refusion["lossless_verified"]
+
+
+def test_a_missing_chosen_row_is_listed_by_its_short_name(folders):
+    results, _ = folders
+    table, missing = real_summary.build(results, {})
+    text = real_summary.markdown(table, missing)
+    assert "- ReFusion, ReFusion on the CPU SFT base, ReFusion (chosen on val) (CPU, 2 cores)" in text

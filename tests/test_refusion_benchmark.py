@@ -1,6 +1,6 @@
 """pardec.benchmarks.refusion: the validation rule that picks (b, tau, first token), on hand-built tables,
 and the test phase's ablations of the chosen setting."""
-from pardec.benchmarks.refusion import OWN_AR, ablations, choose_setting, label
+from pardec.benchmarks.refusion import OWN_AR, ablations, check_goals, choose_setting, label, parse_args
 
 
 def _setting(block: int, tau: float, first: str = "mask") -> dict:
@@ -50,3 +50,71 @@ def test_ablations_flip_the_first_token_only_where_b_is_k():
     chosen = _setting(8, 0.5, "ar")
     assert label(chosen, first_token="mask") == label(_setting(8, 0.5, "mask"))
     assert label(chosen, kv_reuse=False) == "ReFusion b=8 tau=0.5 first_token=ar, kv_reuse=false"
+
+
+def test_ablations_keep_only_the_requested_ones():
+    assert ablations(_setting(8, 0.5, "ar"), slot_size=8, which=("kv_reuse",)) == [{"kv_reuse": False}]
+    assert ablations(_setting(8, 0.5), slot_size=8, which=("first_token",)) == [{"first_token": "ar"}]
+
+
+def _test_table(chosen: dict, reuse_tps: float, recompute_tps: float, tpf: float, accuracy: float) -> list[dict]:
+    rows = [_row("AR greedy (base)", 0.70, 1.0), _row(label(chosen), accuracy, tpf, chosen),
+            _row(label(chosen, kv_reuse=False), accuracy, tpf, chosen)]
+    for row, tps in zip(rows, (10.0, reuse_tps, recompute_tps), strict=True):
+        row["tps"] = tps
+    return rows
+
+
+def test_goals_follow_the_flags_and_skip_recomputation_when_not_run():
+    chosen = _setting(16, 0.7)
+    # 2.6 TPF at 2.5 points below the base; reuse 1.8x recomputation
+    table = _test_table(chosen, reuse_tps=18.0, recompute_tps=10.0, tpf=2.6, accuracy=0.675)
+    embedded = parse_args(["--base", "b", "--refusion", "r"])
+    goals, text = check_goals(table, chosen, slot_size=8, args=embedded)
+    assert goals == {"tpf_2.5_within_2%": False, "kv_reuse_tps_1.5x_recompute": True,
+                     "kv_reuse_accuracy_within_1_point_of_recompute": True}
+    real = parse_args(["--base", "b", "--refusion", "r", "--goal-drop", "0.03", "--goal-reuse", "2",
+                       "--ablations", "kv_reuse"])
+    goals, text = check_goals(table, chosen, slot_size=8, args=real)
+    assert goals == {"tpf_2.5_within_3%": True, "kv_reuse_tps_2x_recompute": False,
+                     "kv_reuse_accuracy_within_1_point_of_recompute": True}
+    assert "(1.80x)" in text
+    # without the recomputation row only the TPF goal is judged
+    none = parse_args(["--base", "b", "--refusion", "r", "--ablations"])
+    goals, text = check_goals(table[:2], chosen, slot_size=8, args=none)
+    assert goals == {"tpf_2.5_within_2%": False} and "recomputation" not in text
+
+
+def test_real_model_run_flags_end_to_end(tmp_path):
+    """The flags reproduce --real uses, on tiny chat checkpoints: the chosen tau alone on test, only the
+    recomputation ablation, no own-AR rows ("= own AR" absent), the goals as asked."""
+    import json
+
+    from pardec.benchmarks.refusion import main
+    from pardec.common.constants import MASK_TOKEN
+    from pardec.common.metadata import CheckpointMetadata
+    from tests.conftest import chat_bpe_tokenizer, save_chat_checkpoint, tiny_model
+
+    base = save_chat_checkpoint(tmp_path / "base")
+    tok = chat_bpe_tokenizer()
+    tok.add_tokens([MASK_TOKEN], special_tokens=True)
+    model = tiny_model(len(tok), "llama", 1, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                       pad_token_id=None)
+    CheckpointMetadata(recipe="refusion", mask_token_id=tok.convert_tokens_to_ids(MASK_TOKEN),
+                       slot_size=4).write_to(model)
+    model.save_pretrained(tmp_path / "refusion")
+    tok.save_pretrained(tmp_path / "refusion")
+    out = tmp_path / "result"
+    main(["--base", str(base), "--refusion", str(tmp_path / "refusion"), "--num-val", "2", "--num-samples", "2",
+          "--block-sizes", "4", "8", "--first-tokens", "mask", "--thresholds", "0.9", "0.5", "--test-chosen-only",
+          "--ablations", "kv_reuse", "--no-own-ar", "--goal-drop", "0.03", "--goal-reuse", "2",
+          "--max-new-tokens", "8", "--threads", "1", "--out", str(out)])
+    payload = json.loads(out.with_suffix(".json").read_text())
+    assert len(payload["validation"]) == 1 + 4 and all(r["identical_to_own_ar"] is None for r in payload["validation"])
+    chosen = payload["chosen_label"]
+    assert [r["decoder"] for r in payload["test"]] == ["AR greedy (base)", chosen, chosen + ", kv_reuse=false"]
+    assert set(payload["goals"]) == {"tpf_2.5_within_3%", "kv_reuse_tps_2x_recompute",
+                                     "kv_reuse_accuracy_within_1_point_of_recompute"}
+    assert all(r["num_samples"] == 2 for r in payload["test"])
+    # recomputation decodes the same tokens as KV reuse (the ablation changes the cost only)
+    assert payload["test"][1]["accuracy"] == payload["test"][2]["accuracy"]

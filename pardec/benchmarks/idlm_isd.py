@@ -20,7 +20,7 @@ way, on any ``--device`` and ``--dtype``; ``--strides`` and ``--no-sample`` choo
 Bound: where a forward of q tokens costs more than one of 1 (a CPU, the real model), a verify step
 of stride N feeds 2N-1 tokens, so a decoder committing TPF tokens per forward reaches at most
 TPF · t(1) / t(2N-1) times AR's TPS. ``t`` is measured on the base model in this run (median of
-``--bound-repeats`` forwards after a ``--bound-cache``-token KV cache, as
+``--bound-repeats`` forwards after a ``--bound-cache``-token KV cache, the widths measured in turn, as
 ``pardec.benchmarks.real_model_speed``) and each ISD row shows its bound and the share of it that its
 TPS / AR reaches (``--no-bound`` skips it). Writes ``<out>.{md,json}`` (default
 ``benchmarks/results/idlm_isd``).
@@ -34,7 +34,7 @@ import json
 import torch
 
 from pardec.benchmarks.common import RESULTS, identical, invoked_command, split_rows, write_results
-from pardec.benchmarks.real_model_speed import forward_latency
+from pardec.benchmarks.real_model_speed import forward_latencies
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.isd import introspective_ratios, resolve_stride
 from pardec.inference.evaluate import encode_prompt, evaluate
@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="auto: the chat template where the tokenizer has one (a chat model), else plain")
     p.add_argument("--no-bound", action="store_true", help="skip the TPF · t(1)/t(2N-1) bound")
     p.add_argument("--bound-cache", type=int, default=128, help="KV cache length of the bound's forwards")
-    p.add_argument("--bound-repeats", type=int, default=10)
+    p.add_argument("--bound-repeats", type=int, default=30)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--out", default=str(RESULTS / "idlm_isd"))
@@ -107,9 +107,8 @@ def main(argv: list[str] | None = None) -> None:
         rows.append((f"R-ISD N={stride} greedy (gated LoRA)", "risd", {"name": "isd", "stride": stride, **greedy}, stride))
 
     strides = sorted({stride for *_, stride in rows if stride})
-    latency = {} if args.no_bound else {
-        q: forward_latency(models["base"][0], q, args.bound_cache, args.bound_repeats)
-        for q in [1, *(2 * n - 1 for n in strides)]}
+    latency = {} if args.no_bound else forward_latencies(
+        models["base"][0], [1, *(2 * n - 1 for n in strides)], args.bound_cache, args.bound_repeats)
     table, own_ar = [], {}
     warmup = eval_rows.select(range(min(2, len(eval_rows))))
     for label, which, decoder, stride in rows:

@@ -49,37 +49,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def forward_latency(model, width: int, cache_len: int, repeats: int) -> float:
-    """Median seconds of one forward of ``width`` new tokens after a ``cache_len``-token cache."""
+def forward_latencies(model, widths: list[int], cache_len: int, repeats: int) -> dict[int, float]:
+    """Median seconds of one forward of each of ``widths`` new tokens after a ``cache_len``-token cache.
+
+    The widths are measured in turn, ``repeats`` rounds after two warm-up rounds, so a slow spell of
+    the machine lands on every width alike instead of on whichever width was being measured then:
+    measured one width after the other, t(7) / t(1) once came out at 2.28 in a run whose own decoding
+    spent only 1.64 times an AR step per 7-token forward (docs/results/real_cpu.md)."""
     vocab, device = model.config.vocab_size, next(model.parameters()).device
-    generator = torch.Generator().manual_seed(width)
+    generator = torch.Generator().manual_seed(cache_len)
+    times: dict[int, list[float]] = {width: [] for width in widths}
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
         model(input_ids=torch.randint(0, vocab, (1, cache_len), generator=generator).to(device),
               past_key_values=cache, use_cache=True)
-        times = []
         for i in range(repeats + 2):
-            ids = torch.randint(0, vocab, (1, width), generator=generator).to(device)
-            positions = torch.arange(cache_len, cache_len + width, device=device).unsqueeze(0)
-            start = time.perf_counter()
-            logits = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True).logits
-            logits[0].argmax(-1).tolist()  # the decoders read the argmax back: part of a step
-            if i >= 2:
-                times.append(time.perf_counter() - start)
-            crop_cache(cache, cache_len)
-    return statistics.median(times)
+            for width in widths:
+                ids = torch.randint(0, vocab, (1, width), generator=generator).to(device)
+                positions = torch.arange(cache_len, cache_len + width, device=device).unsqueeze(0)
+                start = time.perf_counter()
+                logits = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True).logits
+                logits[0].argmax(-1).tolist()  # the decoders read the argmax back: part of a step
+                if i >= 2:
+                    times[width].append(time.perf_counter() - start)
+                crop_cache(cache, cache_len)
+    return {width: statistics.median(t) for width, t in times.items()}
 
 
 def latency_table(model, args) -> list[dict]:
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
-        base = None
+        seconds = forward_latencies(model, args.widths, args.cache, args.repeats)
         for width in args.widths:
-            seconds = forward_latency(model, width, args.cache, args.repeats)
-            base = seconds if width == 1 else base
-            rows.append({"threads": threads, "query_tokens": width, "ms": 1000 * seconds,
-                         "ratio_to_1": seconds / base if base else None})
+            rows.append({"threads": threads, "query_tokens": width, "ms": 1000 * seconds[width],
+                         "ratio_to_1": seconds[width] / seconds[1] if 1 in seconds else None})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 

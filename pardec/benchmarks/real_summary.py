@@ -18,25 +18,30 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from pardec.benchmarks.common import RESULTS
-from pardec.benchmarks.summary import lossless_status, minutes
+from pardec.benchmarks.summary import SOURCES, lossless_status, minutes, refusion_chosen
 
 REAL_RESULTS = RESULTS / "real"
 
 
 @dataclasses.dataclass(frozen=True)
 class RealRow:
-    """One (checkpoint, decoder) on SmolLM2: ``source`` is the results file's stem, ``decoder`` the row
-    label in it; ``conversion`` the run that trained the checkpoint (its wall time's key); ``lossless``
-    the AR greedy the decoder reproduces by construction ("base" or "own"), None for no claim."""
+    """One (checkpoint, decoder) on SmolLM2: ``source`` is the results file's stem, ``kind`` the
+    benchmark that wrote it (a key of ``pardec.benchmarks.summary.SOURCES``: how its rows are read),
+    ``decoder`` the row label in it (or a callable that picks it from the JSON, e.g. the setting chosen
+    on validation); ``conversion`` the run that trained the checkpoint (its wall time's key);
+    ``lossless`` the AR greedy the decoder reproduces by construction ("base" or "own"), None for no
+    claim."""
 
     method: str
     checkpoint: str
     hardware: str
     source: str
-    decoder: str
+    kind: str
+    decoder: str | Callable[[object], str]
     short: str
     conversion: str
     lossless: str | None
@@ -48,19 +53,23 @@ H100 = "H100"
 RISD_CPU = "python -m pardec.cli.reproduce --real --only smollm2_risd cpu_risd"
 GPU_RUN = "PROBLEMS=30 bash scripts/real_model_gpu.sh (docs/results/real_gpu.md)"
 IDLM_CPU = "python -m pardec.cli.reproduce --real --only smollm2_idlm cpu_idlm"
+REFUSION_CPU = "python -m pardec.cli.reproduce --real --only smollm2_refusion cpu_refusion"
+ISD = "idlm_isd"
 ROWS: tuple[RealRow, ...] = (
-    RealRow("AR", "SmolLM2 SFT (CPU)", CPU, "cpu_risd", "AR greedy (base)", "AR greedy", "smollm2_sft", "base",
+    RealRow("AR", "SmolLM2 SFT (CPU)", CPU, "cpu_risd", ISD, "AR greedy (base)", "AR greedy", "smollm2_sft", "base",
             RISD_CPU),
-    RealRow("R-ISD", "gated LoRA on the CPU SFT base", CPU, "cpu_risd", "R-ISD N=3 greedy (gated LoRA)", "R-ISD N=3",
-            "smollm2_risd", "base", RISD_CPU),
-    RealRow("I-DLM", "I-DLM (stride 4) on the CPU SFT base", CPU, "cpu_idlm", "ISD N=4 greedy", "ISD N=4",
+    RealRow("R-ISD", "gated LoRA on the CPU SFT base", CPU, "cpu_risd", ISD, "R-ISD N=3 greedy (gated LoRA)",
+            "R-ISD N=3", "smollm2_risd", "base", RISD_CPU),
+    RealRow("I-DLM", "I-DLM (stride 4) on the CPU SFT base", CPU, "cpu_idlm", ISD, "ISD N=4 greedy", "ISD N=4",
             "smollm2_idlm", "own", IDLM_CPU),
-    RealRow("AR", "SmolLM2 SFT (GPU)", H100, "gpu_risd_h100", "AR greedy (base)", "AR greedy", "smollm2_sft_gpu",
+    RealRow("ReFusion", "ReFusion on the CPU SFT base", CPU, "cpu_refusion", "refusion", refusion_chosen,
+            "ReFusion", "smollm2_refusion", None, REFUSION_CPU),
+    RealRow("AR", "SmolLM2 SFT (GPU)", H100, "gpu_risd_h100", ISD, "AR greedy (base)", "AR greedy", "smollm2_sft_gpu",
             "base", GPU_RUN),
-    RealRow("R-ISD", "gated LoRA on the GPU SFT base", H100, "gpu_risd_h100", "R-ISD N=3 greedy (gated LoRA)",
+    RealRow("R-ISD", "gated LoRA on the GPU SFT base", H100, "gpu_risd_h100", ISD, "R-ISD N=3 greedy (gated LoRA)",
             "R-ISD N=3", "smollm2_risd_gpu", "base", GPU_RUN),
-    RealRow("I-DLM", "I-DLM (stride 4) on the GPU SFT base", H100, "gpu_idlm_isd_h100", "ISD N=4 greedy", "ISD N=4",
-            "smollm2_idlm_gpu", "own", GPU_RUN),
+    RealRow("I-DLM", "I-DLM (stride 4) on the GPU SFT base", H100, "gpu_idlm_isd_h100", ISD, "ISD N=4 greedy",
+            "ISD N=4", "smollm2_idlm_gpu", "own", GPU_RUN),
 )
 
 
@@ -83,15 +92,20 @@ def build(results_dir: Path, seconds: dict[str, float]) -> tuple[list[dict], lis
         if not path.is_file():
             missing.append(row)
             continue
-        by_label = {r["decoder"]: r for r in json.loads(path.read_text())}
-        if row.decoder not in by_label:
-            raise SystemExit(f"{path} has no row {row.decoder!r} (rows: {sorted(by_label)}); re-run `{row.command}`")
-        result = by_label[row.decoder]
-        verified, lossless = lossless_status(row, result.get("identical_to_base"), result.get("identical_to_own_ar"))
+        source, data = SOURCES[row.kind], json.loads(path.read_text())
+        label = row.decoder(data) if callable(row.decoder) else row.decoder
+        by_label = {r["decoder"]: r for r in source.rows(data)}
+        if label not in by_label:
+            raise SystemExit(f"{path} has no row {label!r} (rows: {sorted(by_label)}); re-run `{row.command}`")
+        result = by_label[label]
+        base_identity = result.get(source.identical_to_base) if source.identical_to_base else None
+        own_identity = result.get(source.identical_to_own) if source.identical_to_own else None
+        verified, lossless = lossless_status(row, base_identity, own_identity)
         table.append({
-            "method": row.method, "checkpoint": row.checkpoint, "hardware": row.hardware, "decoder": row.decoder,
-            "source": row.source, "accuracy": result["accuracy"], "identical_to_base": result.get("identical_to_base"),
-            "tpf": result["tpf"], "tps_ratio": result.get("tps_ratio"), "lossless": lossless,
+            "method": row.method, "checkpoint": row.checkpoint, "hardware": row.hardware, "decoder": label,
+            "source": row.source, "accuracy": result["accuracy"], "identical_to_base": base_identity,
+            "tpf": result["tpf"], "tps_ratio": result.get(source.tps_ratio) if source.tps_ratio else None,
+            "lossless": lossless,
             "lossless_verified": verified, "conversion": row.conversion,
             "conversion_seconds": seconds.get(row.conversion), "short": row.short,
             "num_problems": result.get("num_samples"),
@@ -113,7 +127,8 @@ def markdown(table: list[dict], missing: list[RealRow]) -> str:
                      f"{r['lossless']} | {minutes(r['conversion_seconds'])}{base} |")
     if missing:
         lines += ["", "Not measured yet:"]
-        lines += [f"- {r.method}, {r.checkpoint}, {r.decoder} ({r.hardware}): `{r.command}`" for r in missing]
+        named = lambda r: r.decoder if isinstance(r.decoder, str) else f"{r.short} (chosen on val)"  # noqa: E731
+        lines += [f"- {r.method}, {r.checkpoint}, {named(r)} ({r.hardware}): `{r.command}`" for r in missing]
     return "\n".join(lines)
 
 

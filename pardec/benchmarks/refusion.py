@@ -1,5 +1,5 @@
 # python -m pardec.benchmarks.refusion --base runs/default_base/hf --refusion runs/refusion_default/hf
-"""ReFusion on the embedded default: AR greedy of the base vs plan-and-infill over a sweep of (b, tau, first token).
+"""ReFusion: AR greedy of the base vs plan-and-infill over a sweep of (b, tau, first token).
 
 One run, two phases, every row at batch 1 in this process after an untimed warm-up on two problems
 (so TPS are comparable; TPS ratios are to the base's AR greedy of the same phase):
@@ -15,7 +15,12 @@ One run, two phases, every row at batch 1 in this process after an untimed warm-
    the chosen b and first-token source and every tau of the sweep with KV reuse, and the chosen
    setting again with ``kv_reuse=false`` (the whole context recomputed every forward, the paper's
    ablation), with ``fuse_plan=false`` (a plan forward every step: the same tokens, more forwards)
-   and, at b = k, with the other first-token source.
+   and, at b = k, with the other first-token source. ``--test-chosen-only`` keeps the chosen tau
+   alone, ``--ablations`` picks among the three, ``--no-own-ar`` drops the checkpoint's own AR greedy
+   rows (then "= own AR greedy" is "—"): how a run on a real model fits in a CPU budget.
+
+The goals are flags (``--goal-tpf``, ``--goal-drop``, ``--goal-reuse``): the embedded default's are the
+defaults; the real-model run asks within 3 points and KV reuse >= 2x (``reproduce --real``).
 
 Columns: accuracy (exact ``#### n``); = base AR greedy (share of samples whose output tokens equal the
 base's AR greedy output exactly); TPF = committed tokens / decoding forwards and NFE per sample
@@ -44,9 +49,10 @@ from pardec.inference.evaluate import evaluate
 
 OWN_AR = "AR greedy (ReFusion checkpoint)"
 SETTING_KEYS = ("block_size", "threshold", "first_token")
+ABLATIONS = ("kv_reuse", "fuse_plan", "first_token")
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     p.add_argument("--base", required=True, help="AR base export (HF dir)")
     p.add_argument("--refusion", required=True, help="ReFusion export (recipe=refusion)")
@@ -60,27 +66,39 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--first-tokens", nargs="+", default=["mask", "ar"], choices=["mask", "ar"],
                    help="sources of a slot's first token swept on validation (ar only where b = k)")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--test-chosen-only", action="store_true", help="test phase: the chosen tau only, no tau sweep")
+    p.add_argument("--ablations", nargs="*", default=list(ABLATIONS), choices=list(ABLATIONS),
+                   help="ablations of the chosen setting on the test split (first_token only where b = k)")
+    p.add_argument("--no-own-ar", action="store_true", help="skip the ReFusion checkpoint's own AR greedy rows")
+    p.add_argument("--goal-tpf", type=float, default=2.5, help="goal: TPF at least this ...")
+    p.add_argument("--goal-drop", type=float, default=0.02, help="... within this accuracy drop of the base")
+    p.add_argument("--goal-reuse", type=float, default=1.5, help="goal: KV reuse TPS / recomputation TPS")
+    p.add_argument("--template", default="auto", choices=["auto", "plain", "chat"],
+                   help="prompt rendering (auto: the tokenizer's chat template when it has one)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--out", default=str(RESULTS / "refusion"))
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
-def run_row(label: str, model, tok, rows, decoder: dict) -> dict:
+def run_row(label: str, model, tok, rows, decoder: dict, template: str = "auto") -> dict:
     warmup = rows.select(range(min(2, len(rows))))
-    evaluate(model, tok, warmup, decoder, agreement=False, shard=False)  # untimed warm-up
-    result = evaluate(model, tok, rows, decoder, agreement=False, shard=False, progress=True)
+    evaluate(model, tok, warmup, decoder, template=template, agreement=False, shard=False)  # untimed warm-up
+    result = evaluate(model, tok, rows, decoder, template=template, agreement=False, shard=False, progress=True)
     m = result.metrics
     row = {"decoder": label, "accuracy": m["accuracy"], "tpf": m["tpf"], "nfe_per_sample": m["nfe_per_sample"],
-           "tps": m["tps"], "slots_per_step": m.get("refusion_slots_per_step"), "config": decoder}
+           "tps": m["tps"], "slots_per_step": m.get("refusion_slots_per_step"), "num_samples": m["num_samples"],
+           "config": decoder}
     print(json.dumps(row), flush=True)
     return row, sorted(result.records, key=lambda r: r["index"])
 
 
-def ablations(setting: dict, slot_size: int) -> list[dict]:
-    """The test phase's variants of the chosen setting: recomputation, a plan forward every step and,
-    at b = k, the other first-token source."""
-    out = [{"kv_reuse": False}, {"fuse_plan": False}]
-    if setting["block_size"] == slot_size:
+def ablations(setting: dict, slot_size: int, which=ABLATIONS) -> list[dict]:
+    """The test phase's variants of the chosen setting among ``which``: recomputation (``kv_reuse``),
+    a plan forward every step (``fuse_plan``) and, at b = k, the other first-token source."""
+    out = [{key: False} for key in ("kv_reuse", "fuse_plan") if key in which]
+    if "first_token" in which and setting["block_size"] == slot_size:
         out.append({"first_token": "mask" if setting["first_token"] == "ar" else "ar"})
     return out
 
@@ -94,24 +112,26 @@ def label(setting: dict, **ablation) -> str:
 
 
 def phase(args, models, rows, settings: list[dict], slot_size: int, ablate: dict | None = None) -> list[dict]:
-    """AR greedy of the base and of the ReFusion checkpoint, then ReFusion at every setting of
-    ``settings``, and at ``ablate`` once per entry of :func:`ablations`."""
+    """AR greedy of the base and (unless ``--no-own-ar``) of the ReFusion checkpoint, then ReFusion at
+    every setting of ``settings``, and at ``ablate`` once per entry of :func:`ablations`."""
     common = {"max_new_tokens": args.max_new_tokens, "batch_size": 1}
     refusion = {"name": "refusion", **common, "slot_size": args.slot_size}
-    runs = [run_row("AR greedy (base)", *models["base"], rows, {"name": "ar", **common}),
-            run_row(OWN_AR, *models["refusion"], rows, {"name": "ar", **common})]
+    run = lambda name, which, decoder: run_row(name, *models[which], rows, decoder, args.template)  # noqa: E731
+    runs = [run("AR greedy (base)", "base", {"name": "ar", **common})]
+    if not args.no_own_ar:
+        runs.append(run(OWN_AR, "refusion", {"name": "ar", **common}))
     for setting in settings:
-        runs.append(run_row(label(setting), *models["refusion"], rows, {**refusion, **setting}))
+        runs.append(run(label(setting), "refusion", {**refusion, **setting}))
     if ablate is not None:
-        for ablation in ablations(ablate, slot_size):
-            runs.append(run_row(label(ablate, **ablation), *models["refusion"], rows,
-                                {**refusion, **ablate, **ablation}))
-    (base, base_records), (_, own_records), table = runs[0], runs[1], [row for row, _ in runs]
+        for ablation in ablations(ablate, slot_size, args.ablations):
+            runs.append(run(label(ablate, **ablation), "refusion", {**refusion, **ablate, **ablation}))
+    base, base_records = runs[0]
+    own_records = None if args.no_own_ar else runs[1][1]
     for row, records in runs:
         row["tps_ratio"] = row["tps"] / base["tps"]
         row["identical_to_base"] = identical(records, base_records)
-        row["identical_to_own_ar"] = identical(records, own_records)
-    return table
+        row["identical_to_own_ar"] = None if own_records is None else identical(records, own_records)
+    return [row for row, _ in runs]
 
 
 def choose_setting(val_table: list[dict], max_drop: float) -> tuple[dict, str]:
@@ -135,7 +155,8 @@ def markdown(table: list[dict]) -> str:
              "| slots / step |",
              "|---|---|---|---|---|---|---|---|---|"]
     lines += [
-        f"| {r['decoder']} | {r['accuracy']:.1%} | {r['identical_to_base']:.1%} | {r['identical_to_own_ar']:.1%} | "
+        f"| {r['decoder']} | {r['accuracy']:.1%} | {r['identical_to_base']:.1%} | "
+        f"{fmt(r['identical_to_own_ar'], '.1%')} | "
         f"{r['tpf']:.2f} | "
         f"{r['nfe_per_sample']:.1f} | {r['tps']:.1f} | {r['tps_ratio']:.2f}x | {fmt(r['slots_per_step'], '.2f')} |"
         for r in table
@@ -143,11 +164,36 @@ def markdown(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    args = parse_args()
+def check_goals(test: list[dict], chosen: dict, slot_size: int, args) -> tuple[dict, str]:
+    """(goal name -> met, one sentence per goal) on the test rows: TPF >= ``args.goal_tpf`` within
+    ``args.goal_drop`` of the base's accuracy at some tau of the chosen setting (not an ablation);
+    where recomputation was run, KV reuse >= ``args.goal_reuse`` x its TPS at accuracy within 1 point."""
+    by_label = {r["decoder"]: r for r in test}
+    ablated = {label(chosen, **a) for a in ablations(chosen, slot_size, args.ablations)}
+    base = test[0]
+    goals = {f"tpf_{args.goal_tpf:g}_within_{args.goal_drop:.0%}": any(
+        r["tpf"] >= args.goal_tpf and r["accuracy"] >= base["accuracy"] - args.goal_drop - 1e-9
+        for r in test if r["decoder"].startswith("ReFusion") and r["decoder"] not in ablated)}
+    met = lambda ok: "met" if ok else "NOT met"  # noqa: E731
+    text = (f"TPF >= {args.goal_tpf:g} within {args.goal_drop:.0%} of the base at some tau: "
+            f"{met(next(iter(goals.values())))}")
+    if "kv_reuse" in args.ablations:
+        reuse, recompute = by_label[label(chosen)], by_label[label(chosen, kv_reuse=False)]
+        ratio = reuse["tps"] / recompute["tps"]
+        goals[f"kv_reuse_tps_{args.goal_reuse:g}x_recompute"] = ratio >= args.goal_reuse
+        goals["kv_reuse_accuracy_within_1_point_of_recompute"] = (
+            abs(reuse["accuracy"] - recompute["accuracy"]) <= 0.01 + 1e-9)
+        text += (f"; KV reuse >= {args.goal_reuse:g}x the TPS of recomputation at {label(chosen)}: "
+                 f"{met(ratio >= args.goal_reuse)} ({ratio:.2f}x), accuracy within 1 point of it: "
+                 f"{met(goals['kv_reuse_accuracy_within_1_point_of_recompute'])}")
+    return goals, text + "."
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    models = {"base": load_checkpoint(args.base, device="cpu"),
-              "refusion": load_checkpoint(args.refusion, device="cpu")}
+    models = {name: load_checkpoint(path, device=args.device, dtype=args.dtype)
+              for name, path in (("base", args.base), ("refusion", args.refusion))}
 
     slot_size = resolve_slot_size(models["refusion"][0], args.slot_size)
     grid = [{"block_size": b, "threshold": tau, "first_token": first}
@@ -158,30 +204,16 @@ def main() -> None:
     val = phase(args, models, validation_rows(args.num_val), grid, slot_size)
     chosen, rule = choose_setting(val, args.max_drop)
     block, tau = chosen["block_size"], chosen["threshold"]
-    test = phase(args, models, held_out_rows(args.num_samples), [{**chosen, "threshold": t} for t in args.thresholds],
+    taus = [tau] if args.test_chosen_only else args.thresholds
+    test = phase(args, models, held_out_rows(args.num_samples), [{**chosen, "threshold": t} for t in taus],
                  slot_size, ablate=chosen)
-
-    by_label = {r["decoder"]: r for r in test}
-    reuse, recompute = by_label[label(chosen)], by_label[label(chosen, kv_reuse=False)]
-    ablated = {label(chosen, **a) for a in ablations(chosen, slot_size)}
-    base = test[0]
-    goals = {
-        "tpf_2.5_within_2_points": any(
-            r["tpf"] >= 2.5 and r["accuracy"] >= base["accuracy"] - 0.02 - 1e-9
-            for r in test if r["decoder"].startswith("ReFusion") and r["decoder"] not in ablated),
-        "kv_reuse_tps_1.5x_recompute": reuse["tps"] >= 1.5 * recompute["tps"],
-        "kv_reuse_accuracy_within_1_point_of_recompute": abs(reuse["accuracy"] - recompute["accuracy"]) <= 0.01 + 1e-9,
-    }
+    goals, goal_text = check_goals(test, chosen, slot_size, args)
     command = invoked_command("pardec.benchmarks.refusion")
     body = (
         f"Validation split ({args.num_val} problems of the generator's val split; setting chosen here: "
         f"{label(chosen)}, {rule}):\n\n{markdown(val)}\n\n"
         f"Test split ({args.num_samples} held-out problems):\n\n{markdown(test)}\n\n"
-        f"Goals on the test split: TPF >= 2.5 within 2 points of the base at some tau: "
-        f"{'met' if goals['tpf_2.5_within_2_points'] else 'NOT met'}; KV reuse >= 1.5x the TPS of recomputation "
-        f"at {label(chosen)}: {'met' if goals['kv_reuse_tps_1.5x_recompute'] else 'NOT met'} "
-        f"({reuse['tps'] / recompute['tps']:.2f}x), accuracy within 1 point of it: "
-        f"{'met' if goals['kv_reuse_accuracy_within_1_point_of_recompute'] else 'NOT met'}."
+        f"Goals on the test split: {goal_text}"
     )
     print(f"Command: {command}\n\n{body}")
     write_results(args.out, command, body, {

@@ -78,7 +78,7 @@ class Row:
     lossless: str | None = None
 
 
-def _refusion_chosen(data) -> str:
+def refusion_chosen(data) -> str:
     """The ReFusion row at the (b, tau) the benchmark chose on validation."""
     return data["chosen_label"]
 
@@ -106,7 +106,7 @@ ROWS: tuple[Row, ...] = (
     Row("Jacobi Forcing", "round 2", "jacobi_forcing",
         "Multi-block + recycling n=32 K=2 r=0.85 pool=4 verify=4 (round 2)", "MR n=32", "jacobi_forcing_default",
         "own"),
-    Row("ReFusion", "ReFusion", "refusion", _refusion_chosen, "ReFusion", "refusion_default"),
+    Row("ReFusion", "ReFusion", "refusion", refusion_chosen, "ReFusion", "refusion_default"),
     Row("MDM", "MDM", "mdm_flashdlm", "MDM low-confidence, 1 token/step (baseline)", "LLaDA 1/step", "mdm_default"),
     Row("MDM", "MDM", "mdm_flashdlm", "MDM Fast-dLLM threshold tau=0.9 (prefix cache)", "Fast-dLLM", "mdm_default"),
     Row("MDM", "MDM", "mdm_flashdlm", "FreeCache (refresh), low-confidence 1/step", "FreeCache", "mdm_default"),

@@ -100,10 +100,19 @@ REAL_STEPS: tuple[Step, ...] = (
     bench("cpu_risd", ["--base", f"{SMOLLM2}/hf", "--risd", "runs/smollm2_risd/hf", "--threads", "2",
                        "--out", f"{REAL}/cpu_risd"], (SMOLLM2, "runs/smollm2_risd"), module="pardec.benchmarks.idlm_isd"),
     train("smollm2_idlm", "02-stride4"),
-    bench("cpu_idlm", ["--base", f"{SMOLLM2}/hf", "--idlm", f"{REAL_IDLM}/hf", "--strides", "2", "3", "4", "--no-sample",
+    bench("cpu_idlm", ["--base", f"{SMOLLM2}/hf", "--idlm", f"{REAL_IDLM}/hf", "--strides", "4", "--no-sample",
                        "--threads", "2", "--out", f"{REAL}/cpu_idlm"], (SMOLLM2, REAL_IDLM),
           module="pardec.benchmarks.idlm_isd"),
-    bench("real_summary", [], (SMOLLM2, "runs/smollm2_risd", REAL_IDLM)),
+    train("smollm2_refusion"),
+    # Sized for the 2-core CPU (about 35 min): tau chosen on 30 val problems at b=16 and 96 new tokens; on
+    # the test problems the base's AR greedy, the chosen setting and its recomputation ablation only.
+    bench("cpu_refusion", ["--base", f"{SMOLLM2}/hf", "--refusion", "runs/smollm2_refusion/hf", "--num-val", "30",
+                           "--block-sizes", "16", "--first-tokens", "mask", "--thresholds", "0.9", "0.7", "0.5",
+                           "--max-drop", "0.03", "--test-chosen-only", "--ablations", "kv_reuse", "--no-own-ar",
+                           "--goal-drop", "0.03", "--goal-reuse", "2", "--max-new-tokens", "96", "--threads", "2",
+                           "--out", f"{REAL}/cpu_refusion"], (SMOLLM2, "runs/smollm2_refusion"),
+          module="pardec.benchmarks.refusion"),
+    bench("real_summary", [], (SMOLLM2, "runs/smollm2_risd", REAL_IDLM, "runs/smollm2_refusion")),
 )
 
 
