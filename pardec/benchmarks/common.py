@@ -50,15 +50,6 @@ def split_rows(split: str, num_samples: int):
     return validation_rows(num_samples) if split == "val" else held_out_rows(num_samples)
 
 
-def add_model_args(parser) -> None:
-    """``--template``, ``--device`` and ``--dtype``: how a benchmark loads its checkpoints and renders
-    prompts (auto: the chat template where the tokenizer has one, i.e. a chat model, else plain)."""
-    parser.add_argument("--template", default="auto", choices=["auto", "plain", "chat"],
-                        help="auto: the chat template where the tokenizer has one (a chat model), else plain")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-
-
 def invoked_command(module: str) -> str:
     """``python -m <module> <this process's arguments>``, quoted as a shell would need them."""
     return f"python -m {module} " + " ".join(shlex.quote(a) for a in sys.argv[1:])

@@ -33,7 +33,7 @@ import json
 
 import torch
 
-from pardec.benchmarks.common import RESULTS, add_model_args, identical, invoked_command, split_rows, write_results
+from pardec.benchmarks.common import RESULTS, identical, invoked_command, split_rows, write_results
 from pardec.benchmarks.real_model_speed import forward_latencies
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.isd import introspective_ratios, resolve_stride
@@ -54,10 +54,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--split", default="test", choices=["test", "val"])
     p.add_argument("--strides", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--no-sample", action="store_true", help="greedy ISD rows only")
+    p.add_argument("--template", default="auto", choices=["auto", "plain", "chat"],
+                   help="auto: the chat template where the tokenizer has one (a chat model), else plain")
     p.add_argument("--no-bound", action="store_true", help="skip the TPF · t(1)/t(2N-1) bound")
     p.add_argument("--bound-cache", type=int, default=128, help="KV cache length of the bound's forwards")
     p.add_argument("--bound-repeats", type=int, default=30)
-    add_model_args(p)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--out", default=str(RESULTS / "idlm_isd"))
     return p.parse_args(argv)
 
