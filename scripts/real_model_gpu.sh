@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # bash scripts/real_model_gpu.sh [--smoke]   (one CUDA GPU, after: pardec-import smollm2-135m-instruct)
 # The GPU variants on SmolLM2-135M-Instruct, each step skipped when its output exists: AR fine-tuning
-# (experiment=smollm2_sft_gpu) and its accuracy on val (choosing) and test (reported), the I-DLM
-# conversion and the R-ISD gated LoRA on that base, then ISD / R-ISD against AR greedy on test problems (fp32
-# decoding, so "lossless" is checked token for token without bf16 rounding). Tables go to
+# (experiment=smollm2_sft_gpu) and its accuracy on EVAL_SPLITS (default "val test": val to choose on,
+# test reported), the I-DLM conversion and (RISD=1, the default) the R-ISD gated LoRA on that base,
+# then AR greedy against ISD N=4 (and R-ISD) on PROBLEMS test problems (fp32 decoding, so
+# "lossless" is checked token for token without bf16 rounding), twice: every row's decode step
+# captured as a CUDA graph (--cuda-graphs), then eager. Tables go to
 # benchmarks/results/real/gpu_*_<gpu>, the training commands' wall times to gpu_conversions_<gpu>.json.
 # --smoke runs every step with a few steps and problems under *_smoke names (a check of the script
 # itself, on any device).
@@ -12,6 +14,7 @@ cd "$(dirname "$0")/.."
 
 py=${PYTHON:-python3}
 tag="" tiny_data=() tiny_steps=() tiny_stages=() problems=${PROBLEMS:-30} eval_n=200 out=benchmarks/results/real
+splits=${EVAL_SPLITS:-val test} with_risd=${RISD:-1}
 if [ "${1:-}" = "--smoke" ]; then
   tag=_smoke problems=2 eval_n=2 out=runs/smoke_results
   tiny_data=(trainer.micro_batch_size=2 data.max_train_samples=32 trainer.warmup_steps=0) tiny_steps=(trainer.max_steps=2)
@@ -35,7 +38,7 @@ train() {  # train <run dir> <overrides...>: skipped when the run (its last stag
 }
 
 train $sft/DONE experiment=smollm2_sft_gpu experiment_name=smollm2_sft_gpu$tag "${tiny_data[@]}" "${tiny_steps[@]}"
-for split in val test; do
+for split in $splits; do
   [ -f $sft/eval_$split/metrics.json ] || $py -m pardec.cli.validate checkpoint=$sft/hf decoder=ar_greedy \
     decoder.batch_size=64 decoder.max_new_tokens=96 data.eval_split=$split data.max_eval_samples=$eval_n \
     agreement=false progress=false output_dir=$sft/eval_$split >$sft/eval_$split.log 2>&1
@@ -44,11 +47,17 @@ done
 # I-DLM first: the 2026-11-26 H100 run measured R-ISD and ran out of device time in I-DLM's last stage.
 train $idlm/stages/$last_stage/DONE experiment=smollm2_idlm_gpu experiment_name=smollm2_idlm_gpu$tag model.path=$sft/hf \
   "${tiny_data[@]}" "${tiny_stages[@]}"
-train $risd/DONE experiment=smollm2_risd_gpu experiment_name=smollm2_risd_gpu$tag model.path=$sft/hf "${tiny_data[@]}" "${tiny_steps[@]}"
-stamp "benchmark: AR greedy vs ISD N=4 (I-DLM) vs R-ISD N=3, $problems test problems"
-$py -m pardec.benchmarks.idlm_isd --base $sft/hf --idlm $idlm/stages/$last_stage/hf --risd $risd/hf \
-  --num-samples "$problems" --strides 4 --no-sample --device auto --dtype float32 --threads 8 \
-  --out $out/gpu_idlm_isd_$gpu
+risd_args=()
+if [ "$with_risd" = 1 ]; then
+  train $risd/DONE experiment=smollm2_risd_gpu experiment_name=smollm2_risd_gpu$tag model.path=$sft/hf "${tiny_data[@]}" "${tiny_steps[@]}"
+  risd_args=(--risd $risd/hf)
+fi
+for mode in graphs eager; do
+  stamp "benchmark ($mode): AR greedy vs ISD N=4 (I-DLM)${risd_args:+ vs R-ISD}, $problems test problems"
+  $py -m pardec.benchmarks.idlm_isd --base $sft/hf --idlm $idlm/stages/$last_stage/hf "${risd_args[@]}" \
+    --num-samples "$problems" --strides 4 --no-sample --device auto --dtype float32 --threads 8 \
+    $([ $mode = graphs ] && echo "--cuda-graphs --no-bound") --out $out/gpu_idlm_isd_${mode}_$gpu$tag
+done
 $py - "$walls" "$out/gpu_conversions_$gpu.json" <<'PY'
 import json, os, sys
 rows = [line.split("\t") for line in open(sys.argv[1]).read().splitlines()] if os.path.exists(sys.argv[1]) else []

@@ -42,8 +42,8 @@ def test_risd_greedy_is_token_identical_to_the_base(tmp_path):
         assert first[top] > 0
         head = risd_model.get_output_embeddings().weight
         head[mask_id] = 10 * head[top]  # its logit is now 10x the winning one at that position
-    for stride in (2, 3, 4):
-        isd = build_decoder({"name": "isd", "stride": stride, "max_new_tokens": 24}, risd_tok)
+    for stride, graphs in [(2, False), (3, False), (4, False), (3, True)]:  # graphs: static steps (eager on CPU)
+        isd = build_decoder({"name": "isd", "stride": stride, "max_new_tokens": 24, "cuda_graphs": graphs}, risd_tok)
         out = isd.decode(risd_model, prompts, eos, [0] * 4)
-        assert [r.tokens for r in out] == [r.tokens for r in ar], f"stride {stride}"
+        assert [r.tokens for r in out] == [r.tokens for r in ar], f"stride {stride}, cuda_graphs {graphs}"
     assert all(len(r.tokens) > 0 for r in ar)

@@ -15,7 +15,9 @@ this run. Columns:
 
 A real chat model (``--template auto`` renders its prompts through the chat template) runs the same
 way, on any ``--device`` and ``--dtype``; ``--strides`` and ``--no-sample`` choose the ISD rows and
-``--split val`` the validation problems (to choose N on).
+``--split val`` the validation problems (to choose N on). ``--cuda-graphs`` runs every row, AR
+included, over a static cache with each step width captured once as a CUDA graph
+(``pardec.inference.decoders.decode_steps``), so that on a GPU TPS follows TPF.
 
 Bound: where a forward of q tokens costs more than one of 1 (a CPU, the real model), a verify step
 of stride N feeds 2N-1 tokens, so a decoder committing TPF tokens per forward reaches at most
@@ -59,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-bound", action="store_true", help="skip the TPF · t(1)/t(2N-1) bound")
     p.add_argument("--bound-cache", type=int, default=128, help="KV cache length of the bound's forwards")
     p.add_argument("--bound-repeats", type=int, default=30)
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="every row decodes with cuda_graphs=true (static cache, each step width a CUDA graph)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--out", default=str(RESULTS / "idlm_isd"))
@@ -92,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.risd:
         models["risd"] = load(args.risd)
 
-    greedy = {"max_new_tokens": args.max_new_tokens, "batch_size": 1}
+    greedy = {"max_new_tokens": args.max_new_tokens, "batch_size": 1, "cuda_graphs": args.cuda_graphs}
     sample = {**greedy, "mode": "sample", "temperature": args.temperature}
     rows = [("AR greedy (base)", "base", {"name": "ar", **greedy}, None)]
     if args.idlm:

@@ -112,6 +112,7 @@ REAL_STEPS: tuple[Step, ...] = (
                            "--goal-drop", "0.03", "--goal-reuse", "2", "--max-new-tokens", "96", "--threads", "2",
                            "--out", f"{REAL}/cpu_refusion"], (SMOLLM2, "runs/smollm2_refusion"),
           module="pardec.benchmarks.refusion"),
+    train("smollm2_jacobi_forcing", "00-round1"),
     bench("real_summary", [], (SMOLLM2, "runs/smollm2_risd", REAL_IDLM, "runs/smollm2_refusion")),
 )
 

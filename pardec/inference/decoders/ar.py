@@ -20,8 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from pardec.common.config_fields import ranged
+from pardec.common.errors import ConfigError
 from pardec.common.metadata import AR, MASKED_AR
 from pardec.inference.decoders.base import Decoder, DecoderConfig, DecodeResult, LoopTimer, left_pad, model_device, prefill
+from pardec.inference.decoders.decode_steps import StepsPool, causal_block
 from pardec.inference.decoders.sampling import SamplingParams, make_generators, select_tokens
 
 
@@ -32,6 +34,14 @@ class ARDecoderConfig(DecoderConfig):
     temperature: float = ranged(1.0, gt=0)
     top_k: int = ranged(0, ge=0, note="0 = off")
     top_p: float = ranged(1.0, gt=0, le=1, note="1 = off")
+    # Batch 1 over a StaticCache with the one-token step captured once as a CUDA graph and replayed
+    # (pardec.inference.decoders.decode_steps); off a GPU the same static steps run eagerly.
+    cuda_graphs: bool = False
+
+    def __post_init__(self):
+        if self.cuda_graphs and self.batch_size != 1:
+            raise ConfigError(f"config key 'decoder.batch_size' = {self.batch_size}: cuda_graphs=true decodes one "
+                              "sample at a time (set decoder.batch_size=1)")
 
 
 class ARDecoder(Decoder):
@@ -42,6 +52,7 @@ class ARDecoder(Decoder):
     def __init__(self, cfg: ARDecoderConfig, tokenizer):
         super().__init__(cfg, tokenizer)
         self.sampling = SamplingParams(cfg.greedy, cfg.temperature, cfg.top_k, cfg.top_p)
+        self.steps = StepsPool(cuda_graphs=True) if cfg.cuda_graphs else None
 
     @property
     def is_ar_greedy(self) -> bool:
@@ -57,6 +68,8 @@ class ARDecoder(Decoder):
     ) -> list[DecodeResult]:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("AR decoding needs at least one prompt token per sample (got an empty prompt)")
+        if self.steps is not None:
+            return [self._decode_static(model, p, eos_token_ids, s) for p, s in zip(prompts, seeds, strict=True)]
         device = model_device(model)
         eos = torch.tensor(sorted(eos_token_ids), dtype=torch.long, device=device)
         n = len(prompts)
@@ -110,3 +123,22 @@ class ARDecoder(Decoder):
             )
             for t, f, e in zip(tokens, forwards, hit_eos, strict=True)
         ]
+
+    def _decode_static(self, model, prompt: Sequence[int], eos_token_ids: Collection[int], seed: int) -> DecodeResult:
+        """One sample through :class:`StaticSteps` (``cuda_graphs``): the same loop at batch 1."""
+        device = model_device(model)
+        generators = make_generators([seed], device)
+        steps = self.steps.get(model, len(prompt) + self.cfg.max_new_tokens + 1)
+        steps.reset(prompt[:-1])
+        block = causal_block(1, model.dtype, device)  # [1, 1, 1, 1]
+        tokens, token, hit_eos = [], prompt[-1], False
+        with LoopTimer(device) as timer:
+            for _ in range(self.cfg.max_new_tokens):
+                logits = steps.forward([token], block)  # [1, V]
+                token = int(select_tokens(logits, self.sampling, generators)[0])
+                tokens.append(token)
+                if token in eos_token_ids:
+                    hit_eos = True
+                    break
+        return DecodeResult(tokens=tokens, forwards=len(tokens), committed=len(tokens), wall_time_s=timer.elapsed,
+                            hit_eos=hit_eos)

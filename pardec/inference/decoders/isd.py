@@ -86,9 +86,9 @@ from transformers import DynamicCache
 from pardec.common.config_fields import Choice, ranged
 from pardec.common.constants import METADATA_KEY
 from pardec.common.errors import ConfigError
-from pardec.common.kv_cache import crop_cache
 from pardec.common.metadata import MASKED_AR, CheckpointMetadata
-from pardec.inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device, prefill
+from pardec.inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device
+from pardec.inference.decoders.decode_steps import StepsPool, dynamic_step
 from pardec.inference.decoders.sampling import SamplingMode, SamplingParams, probs_from_logits
 from pardec.inference.isd_metrics import isd_summary
 from pardec.masks.core import AttentionSpec, additive_mask, dense_additive_mask, require_dense_attention
@@ -118,6 +118,9 @@ class ISDDecoderConfig(DecoderConfig):
     # Relaxed acceptance min(1, (1 + tau) p/q); tau > 0 trades exactness for speed (sample mode).
     tau: float = ranged(0.0, ge=0)
     draft_mode: DraftMode = DraftMode.sample
+    # Decode over a StaticCache with each step width (N, 2N-1) captured once as a CUDA graph and
+    # replayed (pardec.inference.decoders.decode_steps); off a GPU the same static steps run eagerly.
+    cuda_graphs: bool = False
 
 
 def resolve_stride(model, stride: int | None) -> int:
@@ -171,13 +174,17 @@ class StepMasks:
         self.dtype, self.device = dtype, device
         self._blocks: dict[tuple[int, int], torch.Tensor] = {}
 
-    def get(self, cache_len: int, n_clean: int, n_masks: int) -> torch.Tensor:
-        """Additive mask ``[1, 1, q, cache_len + q]``, equal to ``step_attention_mask``."""
+    def block(self, n_clean: int, n_masks: int) -> torch.Tensor:
+        """Additive mask ``[1, 1, q, q]`` of a step over its own keys."""
         block = self._blocks.get((n_clean, n_masks))
         if block is None:
             block = step_attention_mask(0, n_clean, n_masks, self.dtype, self.device)  # [1, 1, q, q]
             self._blocks[(n_clean, n_masks)] = block
-        return torch.nn.functional.pad(block, (cache_len, 0))  # [1, 1, q, cache_len + q]
+        return block
+
+    def get(self, cache_len: int, n_clean: int, n_masks: int) -> torch.Tensor:
+        """Additive mask ``[1, 1, q, cache_len + q]``, equal to ``step_attention_mask``."""
+        return torch.nn.functional.pad(self.block(n_clean, n_masks), (cache_len, 0))  # [1, 1, q, cache_len + q]
 
 
 def step_forward(
@@ -188,14 +195,8 @@ def step_forward(
     The inputs take positions ``cache_len ..``; their K/V are appended to ``cache`` (the caller
     crops it). ``masks``: the decode's :class:`StepMasks` (none: a fresh one for this step).
     """
-    device = model_device(model)
-    cache_len = cache.get_seq_length()
-    ids = torch.tensor([list(clean) + [mask_id] * n_masks], device=device)  # [1, q]
-    positions = torch.arange(cache_len, cache_len + ids.shape[1], device=device).unsqueeze(0)  # [1, q]
-    masks = masks or StepMasks(model.dtype, device)
-    mask = masks.get(cache_len, len(clean), n_masks)  # [1, 1, q, cache_len + q]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
-    return out.logits[0]  # [q, V]
+    masks = masks or StepMasks(model.dtype, model_device(model))
+    return dynamic_step(model, cache, list(clean) + [mask_id] * n_masks, masks.block(len(clean), n_masks))
 
 
 class ISDDecoder(PerSampleDecoder):
@@ -206,6 +207,7 @@ class ISDDecoder(PerSampleDecoder):
     def __init__(self, cfg: ISDDecoderConfig, tokenizer):
         super().__init__(cfg, tokenizer)
         self.greedy = cfg.mode == "greedy"
+        self.steps = StepsPool(cfg.cuda_graphs)
         self.sampling = SamplingParams(self.greedy, cfg.temperature, cfg.top_k, cfg.top_p)
         if not self.distribution_exact:
             warnings.warn(
@@ -236,8 +238,8 @@ class ISDDecoder(PerSampleDecoder):
         n_drafts = stride - 1
 
         # 1. Prefill prompt[:-1]; the last prompt token is the first pending token (bootstrap).
-        context = torch.tensor([prompt[:-1]], dtype=torch.long, device=device)  # [1, L-1]
-        cache = prefill(model, context, torch.ones_like(context))
+        steps = self.steps.get(model, len(prompt) + self.cfg.max_new_tokens + 2 * stride)
+        steps.reset(prompt[:-1])
         pending = prompt[-1]
         drafts: list[int] = []
         draft_probs: torch.Tensor | None = None  # [N-1, V], q of the drafts (sample mode)
@@ -251,8 +253,9 @@ class ISDDecoder(PerSampleDecoder):
         with LoopTimer(device) as timer:
             while True:
                 # 2. One forward: [pending, drafts, N-1 masks] (N or 2N-1 queries).
-                cache_len = cache.get_seq_length()
-                logits = step_forward(model, cache, [pending] + drafts, mask_id, n_drafts, masks)  # [q, V]
+                cache_len = steps.length
+                clean = [pending] + drafts
+                logits = steps.forward(clean + [mask_id] * n_drafts, masks.block(len(clean), n_drafts))  # [q, V]
                 forwards += 1
                 # greedy: one argmax and one device-to-host copy for the anchors and the new drafts
                 argmax = logits.argmax(-1).tolist() if self.greedy else None  # [q]
@@ -267,7 +270,7 @@ class ISDDecoder(PerSampleDecoder):
                 new_tokens, n_accepted = self._verify(anchors, drafts, draft_probs, generator, stats, argmax)
 
                 # 4. Keep the K/V of pending + accepted drafts; drop masks and rejected drafts.
-                crop_cache(cache, cache_len + 1 + n_accepted)
+                steps.crop(cache_len + 1 + n_accepted)
                 if n_accepted == len(drafts) and self.greedy:
                     drafts, draft_probs = argmax[1 + len(drafts) :], None
                 elif n_accepted == len(drafts):

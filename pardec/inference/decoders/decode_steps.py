@@ -1,0 +1,197 @@
+"""Batch-1 decode steps: over a ``DynamicCache`` (eager), or over a ``StaticCache`` with each step
+width captured once as a CUDA graph (``cuda_graphs: true`` of the AR and ISD decoders).
+
+Both kinds have one interface: ``reset(context)``, ``forward(ids, block) -> logits [q, V]`` (the
+``q`` ids after the cached keys, ``block [1, 1, q, q]`` the additive mask over their own keys; every
+query sees every cached key), ``crop(length)`` and ``length``.
+
+Why graphs: an eager decode step of a small model on a GPU is bound by kernel launches (SmolLM2-135M on an
+H100: 19-53 forwards per second whatever their width, docs/results/real_gpu.md), so a parallel
+decoder's TPF does not reach its TPS. With every tensor a step touches at a fixed address (a
+``StaticCache``, static input buffers), the step is recorded once per query width ``q`` and
+replayed: the host then issues two small copies and one graph launch per forward.
+
+Conventions (one sequence, batch 1):
+
+* keys ``0 .. length-1`` of the static cache are the committed tokens; a step feeds ``q`` tokens at
+  positions ``length .. length+q-1`` and transformers' ``StaticLayer.update`` writes their K/V at
+  its ``cumulative_length`` (set to ``length`` inside the step). :meth:`StaticSteps.crop` only moves
+  ``length`` back: entries past it are stale, hidden by the mask and overwritten by later steps.
+* the step's additive mask ``[1, 1, q, max_len]``: 0 on the committed keys, the caller's
+  ``block [1, 1, q, q]`` (additive, over the step's own keys) on columns ``length .. length+q-1``,
+  the dtype's minimum elsewhere. So a step computes what the same forward over a ``DynamicCache``
+  of ``length`` entries with mask ``pad(block, (length, 0))`` computes (the decoders' eager path).
+* the positions, the mask and the cache lengths are computed on the device from a 0-dim ``length``
+  buffer inside the step, so a replay needs no host work but copying ``ids`` and ``length``.
+* on a CUDA device with ``graphs=True`` each width is warmed up twice on a side stream and captured
+  (``torch.cuda.CUDAGraph``: the eager kernels replayed, so the numbers equal the eager static
+  step's); elsewhere the same step runs eagerly (what the CPU tests compare with the
+  ``DynamicCache`` decoders). The warm-up writes K/V at ``length ..``, past the committed keys.
+
+Needs transformers' ``StaticLayer`` with a device-side ``cumulative_length`` (transformers >= 5).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache, StaticCache
+
+from pardec.common.kv_cache import crop_cache
+from pardec.inference.decoders.base import model_device, prefill
+
+BUCKET = 512  # static cache lengths are multiples of this: a longer problem re-allocates rarely
+
+
+def causal_block(q: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive causal mask ``[1, 1, q, q]`` over a step's own keys (0 visible, dtype min hidden)."""
+    hidden = torch.ones((q, q), dtype=torch.bool, device=device).triu(1)
+    return torch.zeros((1, 1, q, q), dtype=dtype, device=device).masked_fill(hidden, torch.finfo(dtype).min)
+
+
+def dynamic_step(model, cache: DynamicCache, ids: Sequence[int], block: torch.Tensor) -> torch.Tensor:
+    """One eager forward of ``ids`` after ``cache`` (its K/V appended), mask ``pad(block, (cache_len, 0))``;
+    logits ``[q, V]``."""
+    device = model_device(model)
+    cache_len = cache.get_seq_length()
+    ids_t = torch.tensor([list(ids)], device=device)  # [1, q]
+    positions = torch.arange(cache_len, cache_len + ids_t.shape[1], device=device).unsqueeze(0)  # [1, q]
+    mask = torch.nn.functional.pad(block, (cache_len, 0))  # [1, 1, q, cache_len + q]
+    out = model(input_ids=ids_t, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+    return out.logits[0]  # [q, V]
+
+
+class DynamicSteps:
+    """The eager steps the decoders run by default: a ``DynamicCache`` grown and cropped."""
+
+    def __init__(self, model):
+        self.model, self.device = model, model_device(model)
+        self.cache: DynamicCache | None = None
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def reset(self, context: Sequence[int]) -> None:
+        ids = torch.tensor([list(context)], dtype=torch.long, device=self.device)  # [1, L]
+        self.cache = prefill(self.model, ids, torch.ones_like(ids))
+
+    def forward(self, ids: Sequence[int], block: torch.Tensor) -> torch.Tensor:
+        return dynamic_step(self.model, self.cache, ids, block)
+
+    def crop(self, length: int) -> None:
+        crop_cache(self.cache, length)
+
+
+class StaticSteps:
+    """One sequence's KV cache of ``max_len`` positions and its decode steps (see the module doc)."""
+
+    def __init__(self, model, max_len: int, graphs: bool):
+        self.model, self.max_len = model, max_len
+        self.device, self.dtype = model_device(model), model.dtype
+        self.graphs = graphs and self.device.type == "cuda"
+        self.length = 0
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self._length = torch.zeros((), dtype=torch.long, device=self.device)  # committed keys, on the device
+        self._cols = torch.arange(max_len, device=self.device)  # [max_len]
+        self._steps: dict[int, _Step] = {}
+        self._run(_Step(self, 1))  # allocates the cache (lazily, at its first update) before any capture
+        self._layer_lengths = [layer.cumulative_length for layer in self.cache.layers]
+        if any(not isinstance(t, torch.Tensor) for t in self._layer_lengths):
+            raise RuntimeError("StaticSteps needs transformers' StaticLayer with a tensor cumulative_length (>= 5.0)")
+
+    def reset(self, context: Sequence[int]) -> None:
+        """Start a new sequence: the cache holds ``context`` (prefilled eagerly, causal; may be empty)."""
+        self.length = 0
+        if context:
+            self.forward(context, causal_block(len(context), self.dtype, self.device), capture=False)
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` keys (later ones become stale)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"crop to {length} keys: the cache holds {self.length}")
+        self.length = length
+
+    def forward(self, ids: Sequence[int], block: torch.Tensor, capture: bool = True) -> torch.Tensor:
+        """Logits ``[q, V]`` of ``ids`` (q tokens) after the committed keys, masked by ``block
+        [1, 1, q, q]``; their K/V are appended (``length += q``). ``capture=False`` runs eagerly
+        without keeping the width's buffers (a prefill's one-off width)."""
+        q = len(ids)
+        if self.length + q > self.max_len:
+            raise ValueError(f"a step of {q} tokens after {self.length} overflows the static cache of {self.max_len}")
+        step = self._steps.get(q) if capture else None
+        if step is None:
+            step = _Step(self, q)
+            if capture:
+                self._steps[q] = step
+        step.ids.copy_(torch.tensor([list(ids)], dtype=torch.long), non_blocking=False)
+        step.block.copy_(block)
+        self._length.fill_(self.length)
+        if capture and self.graphs:
+            if step.graph is None:
+                step.capture()
+            step.graph.replay()
+            logits = step.logits.clone()  # the graph's output buffer is rewritten by its next replay
+        else:
+            logits = self._run(step)
+        self.length += q
+        return logits[0]  # [q, V]
+
+    def _run(self, step: "_Step") -> torch.Tensor:
+        """The step itself, every input read from ``step``'s buffers and ``self._length``."""
+        q = step.q
+        rel = self._cols - self._length  # [max_len]: key index relative to the step's first token
+        own = step.block[0, 0][:, rel.clamp(0, q - 1)]  # [q, max_len]
+        minimum = torch.finfo(self.dtype).min
+        mask = torch.where(rel < 0, 0.0, torch.where(rel < q, own, minimum)).to(self.dtype)  # [q, max_len]
+        positions = self._length + torch.arange(q, device=self.device)  # [q]
+        for length in getattr(self, "_layer_lengths", ()):
+            length.copy_(self._length)
+        out = self.model(input_ids=step.ids, attention_mask=mask[None, None], position_ids=positions[None],
+                         cache_position=positions, past_key_values=self.cache, use_cache=True)
+        return out.logits  # [1, q, V]
+
+
+class _Step:
+    """The static buffers of one width, and its CUDA graph once captured."""
+
+    def __init__(self, steps: StaticSteps, q: int):
+        self.steps, self.q = steps, q
+        self.ids = torch.zeros((1, q), dtype=torch.long, device=steps.device)
+        self.block = torch.zeros((1, 1, q, q), dtype=steps.dtype, device=steps.device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+
+    def capture(self) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.steps._run(self)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self.steps._run(self)
+
+
+class StepsPool:
+    """A decoder's steps for one sample: fresh :class:`DynamicSteps` by default; with
+    ``cuda_graphs`` the model's one :class:`StaticSteps`, shared by every decoder in the process (so
+    graphs captured during a warm-up are replayed by the timed run), re-allocated only when a sample
+    needs a longer cache (lengths rounded up to :data:`BUCKET`)."""
+
+    _static: "weakref.WeakKeyDictionary[torch.nn.Module, StaticSteps]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, cuda_graphs: bool):
+        self.cuda_graphs = cuda_graphs
+
+    def get(self, model, needed: int) -> DynamicSteps | StaticSteps:
+        """Steps for a sample of at most ``needed`` keys (prompt, new tokens and one step's slack)."""
+        if not self.cuda_graphs:
+            return DynamicSteps(model)
+        steps = self._static.get(model)
+        if steps is None or steps.max_len < needed:
+            self._static[model] = steps = StaticSteps(model, -(-needed // BUCKET) * BUCKET, graphs=True)
+        return steps

@@ -1,0 +1,144 @@
+"""Decode steps (pardec.inference.decoders.decode_steps): the static-cache steps that CUDA graphs
+replay compute what the eager DynamicCache steps compute, and the AR / ISD decoders with
+``cuda_graphs`` decode the same tokens as without (on CPU the static steps run eagerly; the graph
+capture itself is checked by the CUDA tests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pardec.common.errors import ConfigError
+from pardec.inference.decoders.decode_steps import BUCKET, DynamicSteps, StaticSteps, StepsPool, causal_block
+from pardec.inference.decoders.isd import StepMasks
+from pardec.inference.decoders.registry import build_decoder
+from tests.test_isd_decoder import MASK, MODELS, NO_EOS, PROMPTS, ar_greedy, isd, random_lm
+
+torch.set_num_threads(1)
+
+
+def brute_force_block(q: int, visible) -> torch.Tensor:
+    """Additive ``[1, 1, q, q]`` from a predicate over (query, key), by a loop."""
+    block = torch.full((1, 1, q, q), torch.finfo(torch.float32).min)
+    for i in range(q):
+        for j in range(q):
+            if visible(i, j):
+                block[0, 0, i, j] = 0.0
+    return block
+
+
+def test_causal_block_equals_a_loop():
+    for q in (1, 2, 5):
+        assert torch.equal(causal_block(q, torch.float32, "cpu"), brute_force_block(q, lambda i, j: j <= i))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_static_steps_equal_dynamic_steps_through_growth_and_crops(arch):
+    """The same script of forwards and crops (widths 1, 4 and 7, ISD's and a plain causal mask)
+    gives the same logits over a StaticCache as over a DynamicCache."""
+    model = random_lm(arch)
+    masks = StepMasks(model.dtype, "cpu")
+    dynamic, static = DynamicSteps(model), StaticSteps(model, max_len=64, graphs=False)
+    g = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(0, MASK, (n,), generator=g).tolist()  # noqa: E731
+    context = rand(9)
+    dynamic.reset(context)
+    static.reset(context)
+    script = [(1, 0, None), (1, 3, 2), (4, 3, 4), (4, 3, 1), (1, 0, 0), (2, 0, 1), (1, 3, 0)]
+    for n_clean, n_masks, keep in script:  # keep: how many of the step's tokens stay in the cache
+        ids = rand(n_clean) + [MASK] * n_masks
+        block = causal_block(len(ids), model.dtype, "cpu") if n_masks == 0 else masks.block(n_clean, n_masks)
+        assert static.length == dynamic.length
+        before = static.length
+        expected, got = dynamic.forward(ids, block), static.forward(ids, block)
+        assert got.shape == expected.shape == (len(ids), model.config.vocab_size)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        if keep is not None:
+            dynamic.crop(before + keep)
+            static.crop(before + keep)
+    assert static.length == dynamic.length
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("kind", ["random", "parrot"])
+def test_isd_with_cuda_graphs_decodes_as_without(arch, kind):
+    """ISD greedy over static steps equals ISD over dynamic steps and AR greedy, token for token,
+    with the same forwards; one decoder serves every prompt (its static cache is reused)."""
+    model = MODELS[kind](arch)
+    for stride in (2, 4):
+        static_decoder = isd(stride=stride, cuda_graphs=True)
+        for prompt in PROMPTS:
+            got = static_decoder.decode_one(model, prompt, NO_EOS, 0)
+            expected = isd(stride=stride).decode_one(model, prompt, NO_EOS, 0)
+            assert got.tokens == expected.tokens == ar_greedy(model, prompt), (stride, prompt)
+            assert got.forwards == expected.forwards and got.stats == expected.stats
+
+
+def test_isd_with_cuda_graphs_stops_at_eos():
+    model = MODELS["parrot"]("qwen3")
+    prompt = PROMPTS[0]
+    full = ar_greedy(model, prompt)
+    eos = {full[5]}
+    got = isd(stride=3, cuda_graphs=True).decode_one(model, prompt, eos, 0)
+    assert got.tokens == full[: full.index(full[5]) + 1] and got.hit_eos
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_ar_with_cuda_graphs_decodes_as_without(greedy):
+    model = random_lm("llama")
+    cfg = {"name": "ar", "max_new_tokens": 12, "greedy": greedy}
+    static, dynamic = build_decoder({**cfg, "cuda_graphs": True}, None), build_decoder(cfg, None)
+    full = ar_greedy(model, PROMPTS[0], 12)
+    for prompt, eos in [(PROMPTS[0], NO_EOS), (PROMPTS[1], NO_EOS), (PROMPTS[0], {full[4]})]:
+        got = static.decode(model, [prompt], eos, [3])[0]
+        expected = dynamic.decode(model, [prompt], eos, [3])[0]
+        assert got.tokens == expected.tokens and got.hit_eos == expected.hit_eos
+        assert got.forwards == got.committed == len(got.tokens)
+
+
+def test_ar_cuda_graphs_refuses_batches():
+    with pytest.raises(ConfigError, match="decoder.batch_size"):
+        build_decoder({"name": "ar", "batch_size": 4, "cuda_graphs": True}, None)
+
+
+def test_static_steps_refuse_overflow_and_bad_crops():
+    model = random_lm("qwen3")
+    steps = StaticSteps(model, max_len=8, graphs=False)
+    steps.reset([1, 2, 3, 4, 5])
+    with pytest.raises(ValueError, match="overflows the static cache of 8"):
+        steps.forward([1, 2, 3, 4], causal_block(4, model.dtype, "cpu"))
+    with pytest.raises(ValueError, match="crop to 6 keys"):
+        steps.crop(6)
+
+
+def test_steps_pool_reuses_the_static_cache_until_a_longer_one_is_needed():
+    model = random_lm("qwen3")
+    assert isinstance(StepsPool(cuda_graphs=False).get(model, 10), DynamicSteps)
+    pool = StepsPool(cuda_graphs=True)
+    first = pool.get(model, 10)
+    assert first.max_len == BUCKET and pool.get(model, BUCKET) is first
+    assert StepsPool(cuda_graphs=True).get(model, 10) is first  # shared by the model's decoders
+    longer = pool.get(model, BUCKET + 1)
+    assert longer is not first and longer.max_len == 2 * BUCKET
+    assert pool.get(model, 10) is longer and pool.get(random_lm("qwen3"), 10) is not longer
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_replays_equal_eager_static_steps_and_isd_equals_ar_on_cuda():
+    """Captured steps replay the eager kernels: the same logits as the eager static step, and ISD
+    with graphs still reproduces AR greedy (fp32)."""
+    model = MODELS["parrot"]("qwen3").to("cuda")
+    masks = StepMasks(model.dtype, "cuda")
+    eager, graphed = StaticSteps(model, 64, graphs=False), StaticSteps(model, 64, graphs=True)
+    for steps in (eager, graphed):
+        steps.reset([3, 4, 5, 6])
+    for n_clean in (1, 3, 3, 1):
+        ids, block = [7] * n_clean + [MASK] * 2, masks.block(n_clean, 2)
+        torch.testing.assert_close(graphed.forward(ids, block), eager.forward(ids, block), rtol=0, atol=0)
+        for steps in (eager, graphed):
+            steps.crop(steps.length - 2)
+    for stride in (2, 4):
+        for prompt in PROMPTS:
+            got = isd(stride=stride, max_new_tokens=40, cuda_graphs=True).decode_one(model, prompt, NO_EOS, 0)
+            assert got.tokens == ar_greedy(model, prompt, 40), (stride, prompt)
