@@ -41,7 +41,16 @@ The two losses must agree (checked, reported); ratio = naive time / packed time 
 ``--train-repeats`` after one warm-up each). Goal: ratio >= half the number of blocks
 (docs/methods/jacobi_forcing.md#packing).
 
-Writes ``benchmarks/results/jacobi_forcing.{md,json}``.
+A real chat model, one round (the SmolLM2 CPU run): ``--round2`` is optional (without it the
+multi-block and wide rows run the round-1 model), ``--wide-block-size 0`` drops the wide rows,
+``--no-training-table`` skips table 2, ``--template auto`` renders prompts through the chat template,
+``--device/--dtype`` place the models and ``--split val`` decodes the validation problems. Where a
+forward of q tokens costs more than one of 1 (a CPU, the real model) each Jacobi row also shows its
+bound TPF · t(1) / t(n) (``t`` measured on the base in this run, widths in turn, as
+``pardec.benchmarks.real_model_speed``) and the share of it its TPS / AR reaches; ``--no-bound``
+skips it. The multi-block rows have no bound column (their forwards' widths vary from step to step).
+
+Writes ``benchmarks/results/jacobi_forcing.{md,json}`` (``--out``).
 """
 
 from __future__ import annotations
@@ -56,7 +65,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from pardec.benchmarks.common import RESULTS, held_out_rows, identical, invoked_command, write_results
+from pardec.benchmarks.common import RESULTS, identical, invoked_command, split_rows, write_results
+from pardec.benchmarks.real_model_speed import forward_latencies
 from pardec.common.errors import ConfigError
 from pardec.data_pipelines.config import DataConfig
 from pardec.data_pipelines.jacobi_batch import build_jacobi_batch
@@ -73,11 +83,11 @@ from pardec.methods.base import forward_logits
 AR_WEIGHT = 30.0  # pardec/recipes/experiment/jacobi_forcing_default.yaml
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base", required=True, help="AR base export (HF dir)")
     p.add_argument("--round1", required=True, help="Jacobi Forcing round-1 export")
-    p.add_argument("--round2", required=True, help="Jacobi Forcing round-2 export")
+    p.add_argument("--round2", default=None, help="Jacobi Forcing round-2 export (without it: round 1 is the last)")
     p.add_argument("--num-samples", type=int, default=200)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--base-block-size", type=int, default=None,
@@ -96,9 +106,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--train-max-new-tokens", type=int, default=64)
     p.add_argument("--pack-length", type=int, default=512)
     p.add_argument("--train-repeats", type=int, default=3)
+    p.add_argument("--no-training-table", action="store_true", help="skip table 2 (the packed-loss timing)")
+    p.add_argument("--split", default="test", choices=["test", "val"])
+    p.add_argument("--template", default="auto", choices=["auto", "plain", "chat"],
+                   help="prompt format (auto: the tokenizer's chat template when it has one)")
+    p.add_argument("--no-bound", action="store_true", help="skip the TPF · t(1)/t(n) bound")
+    p.add_argument("--bound-cache", type=int, default=128, help="KV cache length of the bound's forwards")
+    p.add_argument("--bound-repeats", type=int, default=30)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(RESULTS / "jacobi_forcing"))
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def trained_block_size(model, path: str) -> int:
@@ -114,38 +133,43 @@ def trained_block_size(model, path: str) -> int:
 
 
 def decoding_table(args, models: dict, eval_rows) -> list[dict]:
-    n1 = trained_block_size(models["round1"][0], args.round1)
-    n2 = trained_block_size(models["round2"][0], args.round2)
-    base_n = args.base_block_size or n2
-    wide_n = 2 * n2 if args.wide_block_size is None else args.wide_block_size
+    rounds = [r for r in ("round1", "round2") if r in models]
+    trained = {r: trained_block_size(models[r][0], getattr(args, r)) for r in rounds}
+    last = rounds[-1]
+    n_last = trained[last]
+    base_n = args.base_block_size or n_last
+    wide_n = 2 * n_last if args.wide_block_size is None else args.wide_block_size
+    round_name = {"round1": "round 1", "round2": "round 2"}
     common = {"max_new_tokens": args.max_new_tokens, "batch_size": 1}
     jacobi = lambda n: {"name": "jacobi", "block_size": n, "draft_init": "context", **common}  # noqa: E731
 
     def multiblock(n: int) -> tuple[str, str, dict]:
         label = (f"Multi-block + recycling n={n} K={args.num_blocks} r={args.spawn_ratio} "
-                 f"pool={args.ngram_pool_size} verify={args.verification_size} (round 2)")
-        return label, "round2", {"name": "multiblock", "block_size": n, "num_blocks": args.num_blocks,
+                 f"pool={args.ngram_pool_size} verify={args.verification_size} ({round_name[last]})")
+        return label, last, {"name": "multiblock", "block_size": n, "num_blocks": args.num_blocks,
                                  "spawn_ratio": args.spawn_ratio, "ngram_pool_size": args.ngram_pool_size,
                                  "verification_size": args.verification_size, "draft_init": "context", **common}
 
-    rows = [
-        ("AR greedy (base)", "base", {"name": "ar", **common}),
-        (f"Jacobi n={base_n} (base, untrained)", "base", jacobi(base_n)),
-        ("AR greedy (round 1)", "round1", {"name": "ar", **common}),
-        (f"Jacobi n={n1} (round 1)", "round1", jacobi(n1)),
-        ("AR greedy (round 2)", "round2", {"name": "ar", **common}),
-        (f"Jacobi n={n2} (round 2)", "round2", jacobi(n2)),
-        multiblock(n2),
-    ]
+    rows = [("AR greedy (base)", "base", {"name": "ar", **common}),
+            (f"Jacobi n={base_n} (base, untrained)", "base", jacobi(base_n))]
+    for r in rounds:
+        rows += [(f"AR greedy ({round_name[r]})", r, {"name": "ar", **common}),
+                 (f"Jacobi n={trained[r]} ({round_name[r]})", r, jacobi(trained[r]))]
+    rows.append(multiblock(n_last))
     if wide_n:
-        rows += [(f"Jacobi n={wide_n} (round 2, trained at n={n2})", "round2", jacobi(wide_n)), multiblock(wide_n)]
+        rows += [(f"Jacobi n={wide_n} ({round_name[last]}, trained at n={n_last})", last, jacobi(wide_n)),
+                 multiblock(wide_n)]
+    widths = sorted({d["block_size"] for _, _, d in rows if d["name"] == "jacobi"})
+    latency = {} if args.no_bound else forward_latencies(models["base"][0], [1, *widths], args.bound_cache,
+                                                         args.bound_repeats)
     table, own_ar = [], {}
     warmup = eval_rows.select(range(min(2, len(eval_rows))))
     for label, which, decoder in rows:
         model, tok = models[which]
         # Untimed warm-up (first-call allocations and lazy initialisation would bias the first row).
-        evaluate(model, tok, warmup, decoder, agreement=False, shard=False)
-        result = evaluate(model, tok, eval_rows, decoder, agreement=False, shard=False, progress=True)
+        evaluate(model, tok, warmup, decoder, template=args.template, agreement=False, shard=False)
+        result = evaluate(model, tok, eval_rows, decoder, template=args.template, agreement=False, shard=False,
+                          progress=True)
         m, recs = result.metrics, sorted(result.records, key=lambda r: r["index"])
         if decoder["name"] == "ar":
             own_ar[which] = recs  # every model's AR greedy row comes before its parallel rows
@@ -154,8 +178,11 @@ def decoding_table(args, models: dict, eval_rows) -> list[dict]:
             "identical_to_own_ar": identical(recs, own_ar[which]),
             "identical_to_base": identical(recs, own_ar["base"]),
             "tpf": m["tpf"], "tps": m["tps"], "tps_ratio": m["tps"] / table[0]["tps"] if table else 1.0,
-            "mean_new_tokens": m["mean_new_tokens"], "eos_rate": m["eos_rate"],
+            "mean_new_tokens": m["mean_new_tokens"], "eos_rate": m["eos_rate"], "num_samples": m["num_samples"],
         }
+        n = decoder["block_size"] if decoder["name"] == "jacobi" else None
+        row["bound"] = m["tpf"] * latency[1] / latency[n] if n and latency else None
+        row["share_of_bound"] = row["tps_ratio"] / row["bound"] if row["bound"] else None
         table.append(row)
         print(json.dumps(row), flush=True)
     return table
@@ -294,25 +321,31 @@ def efficiency_table(args, model, tok) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    eval_rows = held_out_rows(args.num_samples)
+    eval_rows = split_rows(args.split, args.num_samples)
 
-    models = {name: load_checkpoint(getattr(args, name), device="cpu") for name in ("base", "round1", "round2")}
+    names = ["base", "round1"] + (["round2"] if args.round2 else [])
+    models = {name: load_checkpoint(getattr(args, name), device=args.device, dtype=args.dtype) for name in names}
     table = decoding_table(args, models, eval_rows)
-    efficiency = efficiency_table(args, *models["base"])
+    efficiency = None if args.no_training_table else efficiency_table(args, *models["base"])
 
     fmt = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
-    lines = ["| decoder | accuracy | = own AR greedy | = base AR greedy | TPF | TPS | TPS / base AR |",
-             "|---|---|---|---|---|---|---|"]
+    bound = not args.no_bound
+    lines = ["| decoder | accuracy | = own AR greedy | = base AR greedy | TPF | TPS | TPS / base AR |"
+             + (" bound TPF·t(1)/t(n) | share of bound |" if bound else ""),
+             "|---|---|---|---|---|---|---|" + ("---|---|" if bound else "")]
     lines += [
         f"| {r['decoder']} | {fmt(r['accuracy'], '.1%')} | {r['identical_to_own_ar']:.1%} | "
         f"{r['identical_to_base']:.1%} | {r['tpf']:.2f} | {r['tps']:.1f} | {r['tps_ratio']:.2f}x |"
+        + (f" {fmt(r['bound'], '.2f')} | {fmt(r['share_of_bound'], '.0%')} |" if bound else "")
         for r in table
     ]
+    lines.append(f"\n{len(eval_rows)} {args.split} problems, batch 1, {args.dtype} on {args.device}, "
+                 f"<= {args.max_new_tokens} new tokens, template {args.template}.")
     e = efficiency
-    lines += [
+    lines += [] if e is None else [
         "",
         f"Training step (forward + L_pc + {AR_WEIGHT:g} L_AR + backward, base model, median of {args.train_repeats}): "
         f"one micro-batch of {e['samples']} samples, n={e['block_size']}, w={e['window']}.",

@@ -50,10 +50,13 @@ class RealRow:
 
 CPU = "CPU, 2 cores"
 H100 = "H100"
+H200_GRAPHS = "H200, CUDA graphs"
 RISD_CPU = "python -m pardec.cli.reproduce --real --only smollm2_risd cpu_risd"
 GPU_RUN = "PROBLEMS=30 bash scripts/real_model_gpu.sh (docs/results/real_gpu.md)"
+GPU_RUN_H200 = "PROBLEMS=30 RISD=0 EVAL_SPLITS=test bash scripts/real_model_gpu.sh (docs/results/real_gpu.md)"
 IDLM_CPU = "python -m pardec.cli.reproduce --real --only smollm2_idlm cpu_idlm"
 REFUSION_CPU = "python -m pardec.cli.reproduce --real --only smollm2_refusion cpu_refusion"
+JACOBI_CPU = "python -m pardec.cli.reproduce --real --only smollm2_jacobi_forcing cpu_jacobi_forcing"
 ISD = "idlm_isd"
 ROWS: tuple[RealRow, ...] = (
     RealRow("AR", "SmolLM2 SFT (CPU)", CPU, "cpu_risd", ISD, "AR greedy (base)", "AR greedy", "smollm2_sft", "base",
@@ -62,25 +65,36 @@ ROWS: tuple[RealRow, ...] = (
             "R-ISD N=3", "smollm2_risd", "base", RISD_CPU),
     RealRow("I-DLM", "I-DLM (stride 4) on the CPU SFT base", CPU, "cpu_idlm", ISD, "ISD N=4 greedy", "ISD N=4",
             "smollm2_idlm", "own", IDLM_CPU),
+    RealRow("Jacobi Forcing", "Jacobi Forcing round 1 on the CPU SFT base", CPU, "cpu_jacobi_forcing", "jacobi_forcing",
+            "Jacobi n=8 (round 1)", "Jacobi n=8", "smollm2_jacobi_forcing", "own", JACOBI_CPU),
+    RealRow("Jacobi Forcing", "Jacobi Forcing round 1 on the CPU SFT base", CPU, "cpu_jacobi_forcing",
+            "jacobi_forcing", "Multi-block + recycling n=8 K=2 r=0.85 pool=4 verify=4 (round 1)", "multi-block n=8",
+            "smollm2_jacobi_forcing", "own", JACOBI_CPU),
     RealRow("ReFusion", "ReFusion on the CPU SFT base", CPU, "cpu_refusion", "refusion", refusion_chosen,
             "ReFusion", "smollm2_refusion", None, REFUSION_CPU),
-    RealRow("AR", "SmolLM2 SFT (GPU)", H100, "gpu_risd_h100", ISD, "AR greedy (base)", "AR greedy", "smollm2_sft_gpu",
-            "base", GPU_RUN),
-    RealRow("R-ISD", "gated LoRA on the GPU SFT base", H100, "gpu_risd_h100", ISD, "R-ISD N=3 greedy (gated LoRA)",
-            "R-ISD N=3", "smollm2_risd_gpu", "base", GPU_RUN),
-    RealRow("I-DLM", "I-DLM (stride 4) on the GPU SFT base", H100, "gpu_idlm_isd_h100", ISD, "ISD N=4 greedy",
-            "ISD N=4", "smollm2_idlm_gpu", "own", GPU_RUN),
+    # The two GPU runs fine-tuned their own SFT base (same recipe, another machine): each row names its run's.
+    RealRow("AR", "SmolLM2 SFT (GPU, H100 run)", H100, "gpu_risd_h100", ISD, "AR greedy (base)", "AR greedy",
+            "smollm2_sft_gpu@h100", "base", GPU_RUN),
+    RealRow("R-ISD", "gated LoRA on the H100 run's SFT base", H100, "gpu_risd_h100", ISD,
+            "R-ISD N=3 greedy (gated LoRA)", "R-ISD N=3", "smollm2_risd_gpu@h100", "base", GPU_RUN),
+    RealRow("AR", "SmolLM2 SFT (GPU, H200 run)", H200_GRAPHS, "gpu_idlm_isd_graphs_h200", ISD, "AR greedy (base)",
+            "AR greedy", "smollm2_sft_gpu@h200", "base", GPU_RUN_H200),
+    RealRow("I-DLM", "I-DLM (stride 4) on the H200 run's SFT base", H200_GRAPHS, "gpu_idlm_isd_graphs_h200", ISD,
+            "ISD N=4 greedy", "ISD N=4", "smollm2_idlm_gpu@h200", "own", GPU_RUN_H200),
 )
 
 
 def conversion_seconds(runs_dir: Path, results_dir: Path) -> dict[str, float]:
-    """Wall seconds per conversion: finished steps of the CPU reproduce run, then each GPU run's file."""
+    """Wall seconds per conversion: finished steps of the CPU reproduce run (keyed by experiment), then
+    each GPU run's ``gpu_conversions_<gpu>.json`` (keyed ``<experiment>@<gpu>``: each GPU run trains
+    its own base)."""
     seconds: dict[str, float] = {}
     steps = runs_dir / "reproduce_real" / "steps.json"
     if steps.is_file():
         seconds.update({k: v["seconds"] for k, v in json.loads(steps.read_text()).items() if v.get("finished")})
     for path in sorted(results_dir.glob("gpu_conversions_*.json")):
-        seconds.update({k: v["wall_seconds"] for k, v in json.loads(path.read_text()).items()})
+        gpu = path.stem.removeprefix("gpu_conversions_")
+        seconds.update({f"{k}@{gpu}": v["wall_seconds"] for k, v in json.loads(path.read_text()).items()})
     return seconds
 
 

@@ -88,6 +88,7 @@ STEPS: tuple[Step, ...] = (
 
 SMOLLM2 = "runs/smollm2_sft"
 REAL = "benchmarks/results/real"
+REAL_JACOBI = "runs/smollm2_jacobi_forcing/stages/00-round1"
 REAL_IDLM = "runs/smollm2_idlm/stages/02-stride4"
 REAL_STEPS: tuple[Step, ...] = (
     bench("import", ["smollm2-135m-instruct"], (), module="pardec.cli.import_model"),
@@ -113,7 +114,11 @@ REAL_STEPS: tuple[Step, ...] = (
                            "--out", f"{REAL}/cpu_refusion"], (SMOLLM2, "runs/smollm2_refusion"),
           module="pardec.benchmarks.refusion"),
     train("smollm2_jacobi_forcing", "00-round1"),
-    bench("real_summary", [], (SMOLLM2, "runs/smollm2_risd", REAL_IDLM, "runs/smollm2_refusion")),
+    # One round (the conversion's budget); the trained n=8 only, no training-cost table (an embedded-default result).
+    bench("cpu_jacobi_forcing", ["--base", f"{SMOLLM2}/hf", "--round1", f"{REAL_JACOBI}/hf", "--wide-block-size", "0",
+                                 "--no-training-table", "--threads", "2", "--out", f"{REAL}/cpu_jacobi_forcing"],
+          (SMOLLM2, REAL_JACOBI), module="pardec.benchmarks.jacobi_forcing"),
+    bench("real_summary", [], (SMOLLM2, "runs/smollm2_risd", REAL_IDLM, "runs/smollm2_refusion", REAL_JACOBI)),
 )
 
 
