@@ -49,7 +49,7 @@ def choose_tau(tuning: list[dict], rule: str, baseline_accuracy: float | None = 
     return min(good, key=lambda r: (r["steps_per_sample"], -r["accuracy"])) if good else most_accurate
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     p.add_argument("--mdm", required=True, help="MDM export (recipe=mdm)")
     p.add_argument("--num-samples", type=int, default=200)
@@ -60,15 +60,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--taus", default="0.7,0.8,0.9", help="COVER tau_draft grid, tuned on the validation split")
     p.add_argument("--select", choices=SELECT_RULES, default="accuracy",
                    help="how tau_draft is chosen on validation (module docstring)")
+    p.add_argument("--template", default="auto", choices=["auto", "plain", "chat"],
+                   help="prompt format (auto: the tokenizer's chat template when it has one)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=str(RESULTS / "cover"))
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
-def run(model, tok, rows, decoder: dict, warmup) -> dict:
-    evaluate(model, tok, warmup, decoder, agreement=False, shard=False)  # untimed warm-up
+def run(model, tok, rows, decoder: dict, warmup, template: str = "auto") -> dict:
+    evaluate(model, tok, warmup, decoder, template=template, agreement=False, shard=False)  # untimed warm-up
     start = time.time()
-    result = evaluate(model, tok, rows, decoder, agreement=False, shard=False)
+    result = evaluate(model, tok, rows, decoder, template=template, agreement=False, shard=False)
     m = result.metrics
     steps = m.get("steps_per_sample", m["dlm_forwards_per_sample"])
     return {
@@ -93,10 +97,10 @@ def table_md(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, tok = load_checkpoint(args.mdm, device="cpu")
+    model, tok = load_checkpoint(args.mdm, device=args.device, dtype=args.dtype)
     if args.block_size is None:
         args.block_size = default_block_size(mdm_info(model))
     test = held_out_rows(args.num_samples)
@@ -106,13 +110,15 @@ def main() -> None:
 
     tuning = []
     for tau in (float(t) for t in args.taus.split(",")):
-        row = {"tau_draft": tau, **run(model, tok, val, {"name": "cover", "draft_threshold": tau, **common}, warmup)}
+        cover = {"name": "cover", "draft_threshold": tau, **common}
+        row = {"tau_draft": tau, **run(model, tok, val, cover, warmup, args.template)}
         tuning.append(row)
         print("validation", json.dumps(row), flush=True)
     baselines_val = []
     if args.select == "baselines":
         for label, decoder in REVOCABLE_BASELINES:
-            baselines_val.append({"decoder": label, **run(model, tok, val, {**decoder, **common}, warmup)})
+            baselines_val.append({"decoder": label,
+                                  **run(model, tok, val, {**decoder, **common}, warmup, args.template)})
             print("validation", json.dumps(baselines_val[-1]), flush=True)
     baseline_accuracy = max((r["accuracy"] for r in baselines_val), default=None)
     tau = choose_tau(tuning, args.select, baseline_accuracy)["tau_draft"]
@@ -127,7 +133,8 @@ def main() -> None:
     ]
     table = []
     for label, decoder in rows:
-        row = {"decoder": label, "config": decoder, **run(model, tok, test, {**decoder, **common}, warmup)}
+        row = {"decoder": label, "config": decoder,
+               **run(model, tok, test, {**decoder, **common}, warmup, args.template)}
         row["tps_ratio"] = row["tps"] / table[0]["tps"] if table else 1.0
         table.append(row)
         print(json.dumps(row), flush=True)

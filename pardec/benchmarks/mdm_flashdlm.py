@@ -36,7 +36,7 @@ from pardec.inference.evaluate import evaluate
 
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     p.add_argument("--base", required=True, help="AR base export (also the guide)")
     p.add_argument("--mdm", required=True, help="MDM export (recipe=mdm)")
@@ -47,9 +47,13 @@ def parse_args() -> argparse.Namespace:
                    help="decoding block (default: the MDM's attention block for block models, else 32)")
     p.add_argument("--threshold", type=float, default=0.9)
     p.add_argument("--rows", default="all", help="comma-separated row keys to run (see ROWS), or all")
+    p.add_argument("--template", default="auto", choices=["auto", "plain", "chat"],
+                   help="prompt format (auto: the tokenizer's chat template when it has one)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(RESULTS / "mdm_flashdlm"))
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def rows_config(args) -> list[tuple[str, str, str, dict | None]]:
@@ -75,11 +79,12 @@ def rows_config(args) -> list[tuple[str, str, str, dict | None]]:
     ]
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     eval_rows = split_rows(args.split, args.num_samples)
-    models = {"base": load_checkpoint(args.base, device="cpu"), "mdm": load_checkpoint(args.mdm, device="cpu")}
+    models = {name: load_checkpoint(path, device=args.device, dtype=args.dtype)
+              for name, path in (("base", args.base), ("mdm", args.mdm))}
     guide = models["base"][0]
     if args.block_size is None:
         args.block_size = default_block_size(mdm_info(models["mdm"][0]))
@@ -93,8 +98,9 @@ def main() -> None:
     for key, label, which, decoder in selected:
         model, tok = models[which]
         aux = {"guide": guide} if decoder.get("name") == "mdm_guided" else None
-        evaluate(model, tok, warmup, decoder, agreement=False, shard=False, auxiliary=aux)  # untimed warm-up
-        result = evaluate(model, tok, eval_rows, decoder, agreement=False, shard=False, progress=True, auxiliary=aux)
+        kwargs = {"template": args.template, "agreement": False, "shard": False, "auxiliary": aux}
+        evaluate(model, tok, warmup, decoder, **kwargs)  # untimed warm-up
+        result = evaluate(model, tok, eval_rows, decoder, progress=True, **kwargs)
         m, recs = result.metrics, sorted(result.records, key=lambda r: r["index"])
         if key == "ar":
             ar_records = recs
@@ -136,7 +142,8 @@ def main() -> None:
     split = "test split" if args.split == "test" else "validation split"
     write_results(args.out, invoked_command("pardec.benchmarks.mdm_flashdlm"),
                   f"{len(eval_rows)} problems ({split}), generation length {args.gen_length}, "
-                  f"block {args.block_size}, batch 1, CPU ({args.threads} threads).\n\n{md}", table)
+                  f"block {args.block_size}, batch 1, {args.dtype} on {args.device} ({args.threads} threads), "
+                  f"template {args.template}.\n\n{md}", table)
 
 
 if __name__ == "__main__":
