@@ -97,6 +97,7 @@ class StaticSteps:
         self._length = torch.zeros((), dtype=torch.long, device=self.device)  # committed keys, on the device
         self._cols = torch.arange(max_len, device=self.device)  # [max_len]
         self._steps: dict[int, _Step] = {}
+        self._layer_lengths: list[torch.Tensor] = []  # each StaticLayer's write offset, once allocated
         self._run(_Step(self, 1))  # allocates the cache (lazily, at its first update) before any capture
         self._layer_lengths = [layer.cumulative_length for layer in self.cache.layers]
         if any(not isinstance(t, torch.Tensor) for t in self._layer_lengths):
@@ -147,7 +148,7 @@ class StaticSteps:
         minimum = torch.finfo(self.dtype).min
         mask = torch.where(rel < 0, 0.0, torch.where(rel < q, own, minimum)).to(self.dtype)  # [q, max_len]
         positions = self._length + torch.arange(q, device=self.device)  # [q]
-        for length in getattr(self, "_layer_lengths", ()):
+        for length in self._layer_lengths:
             length.copy_(self._length)
         out = self.model(input_ids=step.ids, attention_mask=mask[None, None], position_ids=positions[None],
                          cache_position=positions, past_key_values=self.cache, use_cache=True)
