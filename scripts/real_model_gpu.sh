@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # bash scripts/real_model_gpu.sh [--smoke]   (one CUDA GPU, after: pardec-import smollm2-135m-instruct)
 # The GPU variants on SmolLM2-135M-Instruct, each step skipped when its output exists: AR fine-tuning
-# (experiment=smollm2_sft_gpu) and its accuracy on EVAL_SPLITS (default "val test": val to choose on,
-# test reported), the I-DLM conversion and (RISD=1, the default) the R-ISD gated LoRA on that base,
-# then AR greedy against ISD N=4 (and R-ISD) on PROBLEMS test problems (fp32 decoding, so
-# "lossless" is checked token for token without bf16 rounding), twice: every row's decode step
-# captured as a CUDA graph (--cuda-graphs), then eager. Tables go to
-# benchmarks/results/real/gpu_*_<gpu>, the training commands' wall times to gpu_conversions_<gpu>.json.
+# (experiment=smollm2_sft_gpu) and its accuracy on EVAL_SPLITS (default "val test", empty for none: val to choose on,
+# test reported), then
+# - IDLM=1 (the default): the I-DLM conversion and (RISD=1, the default) the R-ISD gated LoRA on that
+#   base, then AR greedy against ISD N=4 (and R-ISD) on PROBLEMS test problems, twice: every row's
+#   decode step captured as a CUDA graph (--cuda-graphs), then eager;
+# - MDM=1 (default 0): the MDM conversion (experiment=smollm2_mdm_gpu), then the FlashDLM table
+#   (pardec.benchmarks.mdm_flashdlm) on PROBLEMS test problems and (COVER=1, the default) the COVER
+#   table (pardec.benchmarks.cover: tau_draft chosen on COVER_VAL val problems, default 10), eager.
+# Decoding is fp32, so "lossless" is checked token for token without bf16 rounding. Tables go to
+# benchmarks/results/real/gpu_*_<gpu>, the training commands' wall times to gpu_conversions_<gpu>.json
+# (updated after each conversion; a run's entry replaces the same run's from an earlier session).
 # --smoke runs every step with a few steps and problems under *_smoke names (a check of the script
 # itself, on any device).
 set -euo pipefail
@@ -14,19 +19,29 @@ cd "$(dirname "$0")/.."
 
 py=${PYTHON:-python3}
 tag="" tiny_data=() tiny_steps=() tiny_stages=() problems=${PROBLEMS:-30} eval_n=200 out=benchmarks/results/real
-splits=${EVAL_SPLITS:-val test} with_risd=${RISD:-1}
+splits=${EVAL_SPLITS-val test} with_risd=${RISD:-1} with_idlm=${IDLM:-1} with_mdm=${MDM:-0} with_cover=${COVER:-1}
+cover_val=${COVER_VAL:-10}
 if [ "${1:-}" = "--smoke" ]; then
-  tag=_smoke problems=2 eval_n=2 out=runs/smoke_results
+  tag=_smoke problems=2 eval_n=2 cover_val=2 out=runs/smoke_results
   tiny_data=(trainer.micro_batch_size=2 data.max_train_samples=32 trainer.warmup_steps=0) tiny_steps=(trainer.max_steps=2)
   tiny_stages=("recipe.stages=[{name:stride2,max_steps:1,overrides:{stride:2,alpha:0.2}},{name:stride4,max_steps:1,overrides:{stride:4,alpha:null}}]")
 fi
 mkdir -p "$out"
-sft=runs/smollm2_sft_gpu$tag risd=runs/smollm2_risd_gpu$tag idlm=runs/smollm2_idlm_gpu$tag
+sft=runs/smollm2_sft_gpu$tag risd=runs/smollm2_risd_gpu$tag idlm=runs/smollm2_idlm_gpu$tag mdm=runs/smollm2_mdm_gpu$tag
 last_stage=$([ -n "$tag" ] && echo 01-stride4 || echo 02-stride4)
 gpu=$($py -c "import torch; print(torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else 'cpu')")
 walls=runs/real_gpu_walls$tag.tsv  # <run> <wall seconds>, one line per finished training command
 
 stamp() { echo "[$(date +%H:%M:%S)] $*"; }
+write_walls() {
+  $py - "$walls" "$out/gpu_conversions_$gpu.json" <<'PY'
+import json, os, sys
+walls, out = sys.argv[1:]
+saved = json.load(open(out)) if os.path.exists(out) else {}  # earlier sessions' runs on this GPU model stay
+rows = [line.split("\t") for line in open(walls).read().splitlines()] if os.path.exists(walls) else []
+json.dump({**saved, **{name: {"wall_seconds": int(seconds)} for name, seconds in rows}}, open(out, "w"), indent=2)
+PY
+}
 train() {  # train <run dir> <overrides...>: skipped when the run (its last stage) is done
   local done_file=$1; shift
   if [ -f "$done_file" ]; then stamp "done already: $done_file"; return; fi
@@ -35,6 +50,7 @@ train() {  # train <run dir> <overrides...>: skipped when the run (its last stag
   $py -m pardec.cli.train "$@" logging.progress_bar=false 2>&1 | grep -v -E "^\s*$" | tail -n 25
   stamp "wall $((SECONDS - start)) s: $*"
   printf '%s\t%s\n' "$(basename "$(dirname "$done_file" | sed 's|/stages/.*||')")" $((SECONDS - start)) >>"$walls"
+  write_walls
 }
 
 train $sft/DONE experiment=smollm2_sft_gpu experiment_name=smollm2_sft_gpu$tag "${tiny_data[@]}" "${tiny_steps[@]}"
@@ -44,6 +60,7 @@ for split in $splits; do
     agreement=false progress=false output_dir=$sft/eval_$split >$sft/eval_$split.log 2>&1
   stamp "SFT base, $split: $(tr -d " \n" <$sft/eval_$split/metrics.json)"
 done
+if [ "$with_idlm" = 1 ]; then
 # I-DLM first: the 2026-11-26 H100 run measured R-ISD and ran out of device time in I-DLM's last stage.
 train $idlm/stages/$last_stage/DONE experiment=smollm2_idlm_gpu experiment_name=smollm2_idlm_gpu$tag model.path=$sft/hf \
   "${tiny_data[@]}" "${tiny_stages[@]}"
@@ -58,9 +75,17 @@ for mode in graphs eager; do
     --num-samples "$problems" --strides 4 --no-sample --device auto --dtype float32 --threads 8 \
     $([ $mode = graphs ] && echo "--cuda-graphs --no-bound") --out $out/gpu_idlm_isd_${mode}_$gpu$tag
 done
-$py - "$walls" "$out/gpu_conversions_$gpu.json" <<'PY'
-import json, os, sys
-rows = [line.split("\t") for line in open(sys.argv[1]).read().splitlines()] if os.path.exists(sys.argv[1]) else []
-json.dump({name: {"wall_seconds": int(seconds)} for name, seconds in rows}, open(sys.argv[2], "w"), indent=2)
-PY
+fi
+if [ "$with_mdm" = 1 ]; then
+  train $mdm/DONE experiment=smollm2_mdm_gpu experiment_name=smollm2_mdm_gpu$tag model.path=$sft/hf \
+    "${tiny_data[@]}" "${tiny_steps[@]}"
+  stamp "benchmark: AR greedy vs the MDM decoders (FlashDLM table), $problems test problems"
+  $py -m pardec.benchmarks.mdm_flashdlm --base $sft/hf --mdm $mdm/hf --num-samples "$problems" --device auto \
+    --dtype float32 --threads 8 --out $out/gpu_mdm_flashdlm_$gpu$tag
+  if [ "$with_cover" = 1 ]; then
+    stamp "benchmark: COVER table, tau_draft on $cover_val val problems, $problems test problems"
+    $py -m pardec.benchmarks.cover --mdm $mdm/hf --num-samples "$problems" --num-validation "$cover_val" \
+      --device auto --dtype float32 --threads 8 --out $out/gpu_cover_$gpu$tag
+  fi
+fi
 stamp "finished; conversion wall times: $out/gpu_conversions_$gpu.json"

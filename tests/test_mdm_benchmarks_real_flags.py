@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
 from pardec.common.constants import MASK_TOKEN
 from pardec.common.metadata import CheckpointMetadata
 from tests.conftest import chat_bpe_tokenizer, save_chat_checkpoint, tiny_model
@@ -32,7 +35,8 @@ def test_mdm_flashdlm_real_model_flags(tmp_path):
     rows = {r["key"]: r for r in json.loads(out.with_suffix(".json").read_text())}
     assert list(rows) == ["ar", "lowconf1", "fc_refresh", "guided_shifted"]
     assert rows["guided_shifted"]["identical_to_base_ar"] == 1.0
-    assert "template chat" in out.with_suffix(".md").read_text()
+    text = out.with_suffix(".md").read_text()
+    assert "template chat" in text and "--rows ar,lowconf1,fc_refresh,guided_shifted" in text  # main(argv)'s command
 
 
 def test_cover_real_model_flags(tmp_path):
@@ -43,3 +47,22 @@ def test_cover_real_model_flags(tmp_path):
           "--block-size", "4", "--taus", "0.9", "--template", "chat", "--dtype", "float32", "--out", str(out)])
     text = out.with_suffix(".md").read_text()
     assert "COVER tau=0.9 without override" in text
+    assert "--taus 0.9 --template chat" in text and "float32 on cpu" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mdm_benchmarks_every_row_on_cuda(tmp_path):
+    """Every MDM decoder row of both benchmarks runs on CUDA (fp32), and guided-shifted still
+    reproduces the base's AR greedy there."""
+    from pardec.benchmarks.cover import main as cover
+    from pardec.benchmarks.mdm_flashdlm import main as flashdlm
+
+    base, mdm = save_chat_checkpoint(tmp_path / "base"), chat_mdm_export(tmp_path / "mdm")
+    flashdlm(["--base", str(base), "--mdm", str(mdm), "--num-samples", "2", "--gen-length", "8", "--block-size", "4",
+              "--template", "chat", "--device", "cuda", "--dtype", "float32", "--out", str(tmp_path / "f")])
+    rows = {r["key"]: r for r in json.loads((tmp_path / "f.json").read_text())}
+    assert len(rows) == 9 and rows["guided_shifted"]["identical_to_base_ar"] == 1.0
+    cover(["--mdm", str(mdm), "--num-samples", "2", "--num-validation", "2", "--max-new-tokens", "8",
+           "--block-size", "4", "--taus", "0.9", "--template", "chat", "--device", "cuda", "--out", str(tmp_path / "c")])
+    assert len(json.loads((tmp_path / "c.json").read_text())["test"]) == 7

@@ -50,9 +50,10 @@ def split_rows(split: str, num_samples: int):
     return validation_rows(num_samples) if split == "val" else held_out_rows(num_samples)
 
 
-def invoked_command(module: str) -> str:
-    """``python -m <module> <this process's arguments>``, quoted as a shell would need them."""
-    return f"python -m {module} " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+def invoked_command(module: str, argv: list[str] | None = None) -> str:
+    """``python -m <module> <arguments>``, quoted as a shell would need them: ``argv`` when a caller
+    passed its own (``main(argv)``), else this process's."""
+    return f"python -m {module} " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
 
 
 def write_results(out: str | Path, command: str, body: str, payload: Any) -> None:

@@ -14,7 +14,7 @@ steps at accuracy no lower" asks about). Then every row runs on the held-out tes
 validation problems are the generator's ``val`` split (disjoint from train and test).
 
 Columns: accuracy (exact ``#### n``), steps per sample (= forwards), TPF (committed tokens /
-forwards), TPS and TPS / baseline (shared CPU: indicative only), revisions per sample (COVER:
+forwards), TPS and TPS / baseline, revisions per sample (COVER:
 ReMask + Replace; WINO, Saber: ReMask), flip-flops per sample, effective-revision ratio (revisions
 whose position ends with a different token, pooled). Writes ``benchmarks/results/cover.{md,json}``.
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from pardec.benchmarks.common import RESULTS, held_out_rows, validation_rows, write_results
+from pardec.benchmarks.common import RESULTS, held_out_rows, invoked_command, validation_rows, write_results
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.mdm_common import default_block_size, mdm_info
 from pardec.inference.evaluate import evaluate
@@ -77,6 +77,7 @@ def run(model, tok, rows, decoder: dict, warmup, template: str = "auto") -> dict
     steps = m.get("steps_per_sample", m["dlm_forwards_per_sample"])
     return {
         "accuracy": m["accuracy"], "steps_per_sample": steps, "tpf": m["tpf"], "tps": m["tps"],
+        "num_samples": m["num_samples"],
         "revisions_per_sample": m.get("revisions_per_sample"), "flip_flops_per_sample": m.get("flip_flops_per_sample"),
         "effective_revision_ratio": m.get("effective_revision_ratio"), "seconds": time.time() - start,
     }
@@ -148,13 +149,11 @@ def main(argv: list[str] | None = None) -> None:
             ["| decoder | accuracy | steps/sample |", "|---|---|---|"]
             + [f"| {r['decoder']} | {r['accuracy']:.1%} | {r['steps_per_sample']:.2f} |" for r in baselines_val])
     print(md)
-    command = (f"python -m pardec.benchmarks.cover --mdm {args.mdm} --num-samples {args.num_samples} --num-validation "
-               f"{args.num_validation} --max-new-tokens {args.max_new_tokens} --block-size {args.block_size} "
-               f"--taus {args.taus} --select {args.select} --threads {args.threads}")
-    write_results(args.out, command,
+    write_results(args.out, invoked_command("pardec.benchmarks.cover", argv),
                   f"Checkpoint: {args.mdm}. Test: the first {args.num_samples} held-out problems; COVER's tau_draft "
-                  f"tuned on the first {args.num_validation} problems of the generator's val split. CPU, "
-                  f"{args.threads} thread(s), shared machine: TPS is indicative only.\n\nValidation (COVER):\n\n"
+                  f"tuned on the first {args.num_validation} problems of the generator's val split. Block "
+                  f"{args.block_size}, {args.max_new_tokens} new tokens, batch 1, {args.dtype} on {args.device} "
+                  f"({args.threads} threads), template {args.template}.\n\nValidation (COVER):\n\n"
                   f"{tune_md}\n\nTest:\n\n{md}",
                   {"validation": tuning, "validation_baselines": baselines_val, "test": table})
 

@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         committed = sum(r["committed"] for r in recs)
         row = {
             "key": key, "decoder": label, "config": decoder, "accuracy": m["accuracy"], "tpf": m["tpf"],
+            "num_samples": m["num_samples"],
             "tpf_dlm": committed / dlm if dlm else None,
             "dlm_forwards_per_sample": dlm / n if which == "mdm" else None,
             "guide_forwards_per_sample": guide_f / n if which == "mdm" else None,
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     md = "\n".join(lines)
     print(md)
     split = "test split" if args.split == "test" else "validation split"
-    write_results(args.out, invoked_command("pardec.benchmarks.mdm_flashdlm"),
+    write_results(args.out, invoked_command("pardec.benchmarks.mdm_flashdlm", argv),
                   f"{len(eval_rows)} problems ({split}), generation length {args.gen_length}, "
                   f"block {args.block_size}, batch 1, {args.dtype} on {args.device} ({args.threads} threads), "
                   f"template {args.template}.\n\n{md}", table)

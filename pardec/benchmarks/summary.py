@@ -83,7 +83,7 @@ def refusion_chosen(data) -> str:
     return data["chosen_label"]
 
 
-def _cover_chosen(data) -> str:
+def cover_chosen(data) -> str:
     """The COVER row at the tau_draft the benchmark chose on validation (not its ablations)."""
     return next(r["decoder"] for r in data["test"] if re.fullmatch(r"COVER tau=[0-9.]+", r["decoder"]))
 
@@ -115,7 +115,7 @@ ROWS: tuple[Row, ...] = (
         "mdm_default", "base"),
     Row("MDM", "MDM", "cover", "WINO 0.6 / 0.9", "WINO", "mdm_default"),
     Row("MDM", "MDM", "cover", "Saber n=2 / mu=8", "Saber", "mdm_default"),
-    Row("MDM", "MDM", "cover", _cover_chosen, "COVER", "mdm_default"),
+    Row("MDM", "MDM", "cover", cover_chosen, "COVER", "mdm_default"),
 )
 
 
