@@ -55,8 +55,9 @@ def test_a_claim_below_100_percent_is_not_verified(folders, tmp_path):
     assert not risd["lossless_verified"] and risd["lossless"] == "claimed (= base AR) but 95.0% identical"
     assert risd["conversion_seconds"] == 229  # read as smollm2_risd_gpu@h100
     assert [r.source for r in missing] == ["cpu_risd", "cpu_risd", "cpu_idlm", "cpu_jacobi_forcing",
-                                           "cpu_jacobi_forcing", "cpu_refusion", "gpu_idlm_isd_graphs_h200",
-                                           "gpu_idlm_isd_graphs_h200"]
+                                           "cpu_jacobi_forcing", "cpu_refusion", *["cpu_mdm_flashdlm"] * 5,
+                                           *["cpu_cover"] * 3, "gpu_idlm_isd_graphs_h200",
+                                           "gpu_idlm_isd_graphs_h200", *["gpu_mdm_flashdlm_h200"] * 5]
 
 
 def test_no_results_and_a_missing_row_are_named(folders, tmp_path):

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pardec.benchmarks.common import RESULTS
-from pardec.benchmarks.summary import SOURCES, lossless_status, minutes, refusion_chosen
+from pardec.benchmarks.summary import SOURCES, cover_chosen, lossless_status, minutes, refusion_chosen
 
 REAL_RESULTS = RESULTS / "real"
 
@@ -57,6 +57,17 @@ GPU_RUN_H200 = "PROBLEMS=30 RISD=0 EVAL_SPLITS=test bash scripts/real_model_gpu.
 IDLM_CPU = "python -m pardec.cli.reproduce --real --only smollm2_idlm cpu_idlm"
 REFUSION_CPU = "python -m pardec.cli.reproduce --real --only smollm2_refusion cpu_refusion"
 JACOBI_CPU = "python -m pardec.cli.reproduce --real --only smollm2_jacobi_forcing cpu_jacobi_forcing"
+MDM_CPU = "python -m pardec.cli.reproduce --real --only smollm2_mdm cpu_mdm_flashdlm"
+COVER_CPU = "python -m pardec.cli.reproduce --real --only smollm2_mdm cpu_cover"
+H200 = "H200"
+GPU_RUN_MDM = "PROBLEMS=20 IDLM=0 MDM=1 EVAL_SPLITS= bash scripts/real_model_gpu.sh (docs/results/real_gpu.md)"
+MDM_FLASHDLM_ROWS = (  # (label in the mdm_flashdlm table, plot label, lossless w.r.t.)
+    ("MDM low-confidence, 1 token/step (baseline)", "LLaDA 1/step", None),
+    ("MDM Fast-dLLM threshold tau=0.9 (prefix cache)", "Fast-dLLM", None),
+    ("FreeCache (refresh), low-confidence 1/step", "FreeCache", None),
+    ("FreeCache + guided (assisted, strict)", "FreeCache+guided", None),
+    ("Guided (shifted, strict; = base AR greedy)", "guided (shifted)", "base"),
+)
 ISD = "idlm_isd"
 ROWS: tuple[RealRow, ...] = (
     RealRow("AR", "SmolLM2 SFT (CPU)", CPU, "cpu_risd", ISD, "AR greedy (base)", "AR greedy", "smollm2_sft", "base",
@@ -72,6 +83,11 @@ ROWS: tuple[RealRow, ...] = (
             "smollm2_jacobi_forcing", "own", JACOBI_CPU),
     RealRow("ReFusion", "ReFusion on the CPU SFT base", CPU, "cpu_refusion", "refusion", refusion_chosen,
             "ReFusion", "smollm2_refusion", None, REFUSION_CPU),
+    *(RealRow("MDM", "MDM (block 2) on the CPU SFT base", CPU, "cpu_mdm_flashdlm", "mdm_flashdlm", label, short,
+              "smollm2_mdm", lossless, MDM_CPU) for label, short, lossless in MDM_FLASHDLM_ROWS),
+    *(RealRow("MDM", "MDM (block 2) on the CPU SFT base", CPU, "cpu_cover", "cover", label, short, "smollm2_mdm",
+              None, COVER_CPU)
+      for label, short in (("WINO 0.6 / 0.9", "WINO"), ("Saber n=2 / mu=8", "Saber"), (cover_chosen, "COVER"))),
     # The two GPU runs fine-tuned their own SFT base (same recipe, another machine): each row names its run's.
     RealRow("AR", "SmolLM2 SFT (GPU, H100 run)", H100, "gpu_risd_h100", ISD, "AR greedy (base)", "AR greedy",
             "smollm2_sft_gpu@h100", "base", GPU_RUN),
@@ -81,6 +97,9 @@ ROWS: tuple[RealRow, ...] = (
             "AR greedy", "smollm2_sft_gpu@h200", "base", GPU_RUN_H200),
     RealRow("I-DLM", "I-DLM (stride 4) on the H200 run's SFT base", H200_GRAPHS, "gpu_idlm_isd_graphs_h200", ISD,
             "ISD N=4 greedy", "ISD N=4", "smollm2_idlm_gpu@h200", "own", GPU_RUN_H200),
+    # A later H200 session: its own SFT base (its wall time is in docs/results/real_gpu.md), eager decoding.
+    *(RealRow("MDM", "MDM (block 2) on the H200 MDM run's SFT base", H200, "gpu_mdm_flashdlm_h200", "mdm_flashdlm",
+              label, short, "smollm2_mdm_gpu@h200", lossless, GPU_RUN_MDM) for label, short, lossless in MDM_FLASHDLM_ROWS),
 )
 
 

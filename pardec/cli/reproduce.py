@@ -118,7 +118,19 @@ REAL_STEPS: tuple[Step, ...] = (
     bench("cpu_jacobi_forcing", ["--base", f"{SMOLLM2}/hf", "--round1", f"{REAL_JACOBI}/hf", "--wide-block-size", "0",
                                  "--no-training-table", "--threads", "2", "--out", f"{REAL}/cpu_jacobi_forcing"],
           (SMOLLM2, REAL_JACOBI), module="pardec.benchmarks.jacobi_forcing"),
-    bench("real_summary", [], (SMOLLM2, "runs/smollm2_risd", REAL_IDLM, "runs/smollm2_refusion", REAL_JACOBI)),
+    train("smollm2_mdm"),
+    # Sized for the 2-core CPU, where the LLaDA baseline, WINO, Saber and COVER run one full-sequence forward
+    # (about 0.5 s) per step: the FlashDLM table on the first 30 test problems without the two-tokens-per-step
+    # row (about 30 min), the COVER table on the first 15 (tau_draft on 5 val problems; about 35 min).
+    bench("cpu_mdm_flashdlm", ["--base", f"{SMOLLM2}/hf", "--mdm", "runs/smollm2_mdm/hf", "--num-samples", "30",
+                               "--rows", "ar,lowconf1,threshold,fc_refresh,fc_freeze,fc_guided_strict,"
+                               "fc_guided_relaxed,guided_shifted", "--threads", "2", "--out", f"{REAL}/cpu_mdm_flashdlm"],
+          (SMOLLM2, "runs/smollm2_mdm"), module="pardec.benchmarks.mdm_flashdlm"),
+    bench("cpu_cover", ["--mdm", "runs/smollm2_mdm/hf", "--num-samples", "15", "--num-validation", "5",
+                        "--threads", "2", "--out", f"{REAL}/cpu_cover"], ("runs/smollm2_mdm",),
+          module="pardec.benchmarks.cover"),
+    bench("real_summary", [], (SMOLLM2, "runs/smollm2_risd", REAL_IDLM, "runs/smollm2_refusion", REAL_JACOBI,
+                               "runs/smollm2_mdm")),
 )
 
 
