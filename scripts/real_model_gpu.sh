@@ -61,20 +61,20 @@ for split in $splits; do
   stamp "SFT base, $split: $(tr -d " \n" <$sft/eval_$split/metrics.json)"
 done
 if [ "$with_idlm" = 1 ]; then
-# I-DLM first: the 2026-11-26 H100 run measured R-ISD and ran out of device time in I-DLM's last stage.
-train $idlm/stages/$last_stage/DONE experiment=smollm2_idlm_gpu experiment_name=smollm2_idlm_gpu$tag model.path=$sft/hf \
-  "${tiny_data[@]}" "${tiny_stages[@]}"
-risd_args=()
-if [ "$with_risd" = 1 ]; then
-  train $risd/DONE experiment=smollm2_risd_gpu experiment_name=smollm2_risd_gpu$tag model.path=$sft/hf "${tiny_data[@]}" "${tiny_steps[@]}"
-  risd_args=(--risd $risd/hf)
-fi
-for mode in graphs eager; do
-  stamp "benchmark ($mode): AR greedy vs ISD N=4 (I-DLM)${risd_args:+ vs R-ISD}, $problems test problems"
-  $py -m pardec.benchmarks.idlm_isd --base $sft/hf --idlm $idlm/stages/$last_stage/hf "${risd_args[@]}" \
-    --num-samples "$problems" --strides 4 --no-sample --device auto --dtype float32 --threads 8 \
-    $([ $mode = graphs ] && echo "--cuda-graphs --no-bound") --out $out/gpu_idlm_isd_${mode}_$gpu$tag
-done
+  # I-DLM first: the 2026-11-26 H100 run measured R-ISD and ran out of device time in I-DLM's last stage.
+  train $idlm/stages/$last_stage/DONE experiment=smollm2_idlm_gpu experiment_name=smollm2_idlm_gpu$tag model.path=$sft/hf \
+    "${tiny_data[@]}" "${tiny_stages[@]}"
+  risd_args=()
+  if [ "$with_risd" = 1 ]; then
+    train $risd/DONE experiment=smollm2_risd_gpu experiment_name=smollm2_risd_gpu$tag model.path=$sft/hf "${tiny_data[@]}" "${tiny_steps[@]}"
+    risd_args=(--risd $risd/hf)
+  fi
+  for mode in graphs eager; do
+    stamp "benchmark ($mode): AR greedy vs ISD N=4 (I-DLM)${risd_args:+ vs R-ISD}, $problems test problems"
+    $py -m pardec.benchmarks.idlm_isd --base $sft/hf --idlm $idlm/stages/$last_stage/hf "${risd_args[@]}" \
+      --num-samples "$problems" --strides 4 --no-sample --device auto --dtype float32 --threads 8 \
+      $([ $mode = graphs ] && echo "--cuda-graphs --no-bound") --out $out/gpu_idlm_isd_${mode}_$gpu$tag
+  done
 fi
 if [ "$with_mdm" = 1 ]; then
   train $mdm/DONE experiment=smollm2_mdm_gpu experiment_name=smollm2_mdm_gpu$tag model.path=$sft/hf \
