@@ -173,10 +173,13 @@ def plot(embedded: list[dict], real: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from pardec.benchmarks.plot_labels import label_points
+
     methods = list(dict.fromkeys(r["method"] for r in [*embedded, *real]))
     colours = {m: plt.get_cmap("tab10")(i) for i, m in enumerate(methods)}
-    fig, axes = plt.subplots(1, 2, figsize=(14, 6))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 6), dpi=120)
     panels = [(axes[0], embedded, "embedded default (0.8M, CPU)"), (axes[1], real, "SmolLM2-135M-Instruct")]
+    labels = []  # (axes, [(x, y, text)]) placed once the layout is final
     for ax, rows, title in panels:
         ax.set_title(title)
         ax.grid(alpha=0.3)
@@ -186,21 +189,15 @@ def plot(embedded: list[dict], real: list[dict], path: Path) -> None:
             ratios, accuracies = [r["tps_ratio"] for r in shown], [100 * r["accuracy"] for r in shown]
             ax.set_xlim(min(0.5, min(ratios) - 0.1), max(ratios) + 0.3)
             ax.set_ylim(min(accuracies) - 3, min(101.0, max(accuracies) + 2))
-        placed: list[tuple[float, float]] = []
         for r in shown:
             gpu = r.get("hardware", CPU) != CPU
             colour = colours[r["method"]]
             ax.scatter(r["tps_ratio"], 100 * r["accuracy"], marker="*" if r["lossless_verified"] else "o",
                        s=180 if r["lossless_verified"] else 60, edgecolors=colour if gpu else "black",
                        facecolors="none" if gpu else colour, linewidths=1.2, zorder=3)
-            label = r["short"] + (f" ({r['hardware']})" if gpu else "")
-            x, y = r["tps_ratio"], 100 * r["accuracy"]
-            # the next free label slot among the points close by (up-right, down-right, up-left, down-left)
-            close = sum(abs(x - px) < 0.15 and abs(y - py) < 0.04 * (ax.get_ylim()[1] - ax.get_ylim()[0])
-                        for px, py in placed)
-            ax.annotate(label, (x, y), fontsize=7, textcoords="offset points",
-                        xytext=[(6, 5), (6, -12), (-60, 5), (-60, -12)][close % 4])
-            placed.append((x, y))
+        labels.append((ax, [(r["tps_ratio"], 100 * r["accuracy"], r["short"] + (f" ({r['hardware']})"
+                                                                                 if r.get("hardware", CPU) != CPU else ""))
+                            for r in shown]))
         ax.axvline(1.0, color="grey", lw=0.8, ls="--")
     axes[0].set_ylabel("accuracy on the held-out test problems (%)")
     for m in methods:
@@ -209,7 +206,9 @@ def plot(embedded: list[dict], real: list[dict], path: Path) -> None:
     axes[1].scatter([], [], facecolors="none", edgecolors="black", marker="o", label="GPU (hollow)")
     axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    for ax, points in labels:  # after the layout: the labels are placed in pixels
+        label_points(ax, points)
+    fig.savefig(path, dpi=fig.dpi)
     plt.close(fig)
 
 

@@ -199,32 +199,31 @@ def plot(table: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from pardec.benchmarks.plot_labels import label_points
+
     methods = list(dict.fromkeys(r["method"] for r in table))
     colours = {m: plt.get_cmap("tab10")(i) for i, m in enumerate(methods)}
     accuracies = sorted(100 * r["accuracy"] for r in table)
     gaps = [(b - a, a, b) for a, b in zip(accuracies, accuracies[1:])]
     widest = max(gaps, default=(0.0, 0.0, 0.0))
     if widest[0] >= 30:  # two clusters: zoom each
-        fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True, height_ratios=[3, 2])
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True, height_ratios=[3, 2], dpi=120)
         ranges = [(top, widest[2], accuracies[-1]), (bottom, accuracies[0], widest[1])]
     else:
-        fig, top = plt.subplots(figsize=(11, 6))
+        fig, top = plt.subplots(figsize=(11, 6), dpi=120)
         bottom = top
         ranges = [(top, accuracies[0], accuracies[-1])]
+    labels = []  # (axes, [(x, y, text)]) placed once the layout is final
     for ax, low, high in ranges:
         margin = max(1.0, 0.1 * (high - low))
         ax.set_ylim(low - margin, high + margin)
         ax.grid(alpha=0.3)
-        placed: list[tuple[float, float]] = []
-        for r in sorted((r for r in table if low <= 100 * r["accuracy"] <= high), key=lambda r: r["tpf"]):
-            x, y, star = r["tpf"], 100 * r["accuracy"], r["lossless_verified"]
-            ax.scatter(x, y, color=colours[r["method"]], marker="*" if star else "o",
+        shown = sorted((r for r in table if low <= 100 * r["accuracy"] <= high), key=lambda r: r["tpf"])
+        for r in shown:
+            star = r["lossless_verified"]
+            ax.scatter(r["tpf"], 100 * r["accuracy"], color=colours[r["method"]], marker="*" if star else "o",
                        s=180 if star else 60, edgecolors="black", linewidths=0.5, zorder=3)
-            # the next free label slot among the points close by (up-right, down-right, up-left, down-left)
-            close = sum(abs(x - px) < 0.3 and abs(y - py) < 0.05 * (high - low + 2 * margin) for px, py in placed)
-            ax.annotate(r["short"], (x, y), fontsize=7, textcoords="offset points",
-                        xytext=[(5, 8), (5, -13), (-45, 8), (-45, -13)][close % 4])
-            placed.append((x, y))
+        labels.append((ax, [(r["tpf"], 100 * r["accuracy"], r["short"]) for r in shown]))
     for m in methods:
         top.scatter([], [], color=colours[m], marker="o", label=m)
     top.scatter([], [], color="white", edgecolors="black", marker="*", s=180, label="lossless (verified)")
@@ -233,7 +232,9 @@ def plot(table: list[dict], path: Path) -> None:
     fig.supylabel("accuracy on the held-out test problems (%)")
     top.set_title("Every conversion of the embedded default base (benchmarks/results/summary.md)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    for ax, points in labels:  # after the layout: the labels are placed in pixels
+        label_points(ax, points)
+    fig.savefig(path, dpi=fig.dpi)
     plt.close(fig)
 
 
