@@ -129,6 +129,15 @@ REAL_STEPS: tuple[Step, ...] = (
     bench("cpu_cover", ["--mdm", "runs/smollm2_mdm/hf", "--num-samples", "15", "--num-validation", "5",
                         "--threads", "2", "--out", f"{REAL}/cpu_cover"], ("runs/smollm2_mdm",),
           module="pardec.benchmarks.cover"),
+    # Block-causal (smollm2_mdm) against bidirectional (smollm2_mdm_bidir) attention, chosen on val: the
+    # same conversion budget, each decoded in its own block (2 and 32), the LLaDA baseline and Fast-dLLM
+    # on the first 15 val problems (about 10 min each).
+    train("smollm2_mdm_bidir"),
+    *(bench(f"cpu_mdm_val_{short}", ["--base", f"{SMOLLM2}/hf", "--mdm", f"{run}/hf", "--split", "val",
+                                     "--num-samples", "15", "--rows", "ar,lowconf1,threshold", "--threads", "2",
+                                     "--out", f"{REAL}/cpu_mdm_val_{short}"], (SMOLLM2, run),
+            module="pardec.benchmarks.mdm_flashdlm")
+      for short, run in (("block", "runs/smollm2_mdm"), ("bidir", "runs/smollm2_mdm_bidir"))),
     bench("real_summary", [], (SMOLLM2, "runs/smollm2_risd", REAL_IDLM, "runs/smollm2_refusion", REAL_JACOBI,
                                "runs/smollm2_mdm")),
 )
