@@ -90,3 +90,25 @@ def test_a_missing_chosen_row_is_listed_by_its_short_name(folders):
     table, missing = real_summary.build(results, {})
     text = real_summary.markdown(table, missing)
     assert "- ReFusion, ReFusion on the CPU SFT base, ReFusion (chosen on val) (CPU, 2 cores)" in text
+
+
+def val_rows(baseline: float, fast: float) -> list[dict]:
+    return [{"key": "ar", "accuracy": 0.8, "num_samples": 15},
+            {"key": "lowconf1", "accuracy": baseline, "num_samples": 15},
+            {"key": "threshold", "accuracy": fast, "num_samples": 15}]
+
+
+@pytest.mark.parametrize(("block", "bidir", "chosen"), [
+    ((0.2, 0.2), (0.4, 0.1), "bidirectional"),  # the baseline's accuracy decides
+    ((0.4, 0.1), (0.2, 0.9), "block-causal"),
+    ((0.4, 0.1), (0.4, 0.3), "bidirectional"),  # a tie on the baseline: Fast-dLLM decides
+    ((0.4, 0.3), (0.4, 0.3), "block-causal"),  # a full tie keeps the block-causal conversion
+])
+def test_mdm_attention_chosen_on_val(tmp_path, block, bidir, chosen):
+    assert real_summary.mdm_attention_choice(tmp_path) is None  # not before both val tables exist
+    (tmp_path / "cpu_mdm_val_block.json").write_text(json.dumps(val_rows(*block)))
+    assert real_summary.mdm_attention_choice(tmp_path) is None
+    (tmp_path / "cpu_mdm_val_bidir.json").write_text(json.dumps(val_rows(*bidir)))
+    text = real_summary.mdm_attention_choice(tmp_path)
+    assert f"Chosen: **{chosen}" in text and "15 val problems" in text
+    assert ("not run yet" in text) == (chosen == "bidirectional")

@@ -6,7 +6,8 @@ Nothing is measured here: the rows are read from the JSON the real-model benchma
 plus the hardware and the number of test problems), the CPU conversion wall times from the reproduce
 driver's ``runs/reproduce_real/steps.json`` and the GPU ones from the ``gpu_conversions_<gpu>.json`` the
 GPU run left (``scripts/real_model_gpu.sh``). A row whose benchmark has not been run yet is listed
-below the table with the command that makes it, so the table grows as conversions land.
+below the table with the command that makes it, so the table grows as conversions land. Below it, once
+both val tables exist, the MDM attention (block-causal or bidirectional) chosen on val.
 
 Writes ``summary.md``, ``summary.json`` and ``summary.png`` to ``--out-dir`` (default
 ``benchmarks/results/real``): accuracy against TPS / base AR for every decoder on both bases, the
@@ -146,6 +147,35 @@ def build(results_dir: Path, seconds: dict[str, float]) -> tuple[list[dict], lis
     return table, missing
 
 
+# The two SmolLM2 MDM conversions compared on val (reproduce steps cpu_mdm_val_<key>): same budget,
+# each decoded in its own block (docs/results/real_cpu.md).
+MDM_ATTENTIONS = {"block": ("block-causal, blocks of 2", "smollm2_mdm"), "bidir": ("bidirectional", "smollm2_mdm_bidir")}
+MDM_VAL_COMMAND = "python -m pardec.cli.reproduce --real --only smollm2_mdm_bidir cpu_mdm_val_block cpu_mdm_val_bidir"
+
+
+def mdm_attention_choice(results_dir: Path) -> str | None:
+    """The MDM attention chosen on val, or None before both val tables exist. Rule: the higher LLaDA
+    baseline accuracy (``lowconf1``), then the higher Fast-dLLM accuracy (``threshold``), then
+    block-causal (the one the test tables were first run on)."""
+    scores = {}
+    for key in MDM_ATTENTIONS:
+        path = results_dir / f"cpu_mdm_val_{key}.json"
+        if not path.is_file():
+            return None
+        rows = {r["key"]: r for r in json.loads(path.read_text())}
+        missing = {"lowconf1", "threshold"} - set(rows)
+        if missing:
+            raise SystemExit(f"{path} has no row(s) {sorted(missing)}; re-run `{MDM_VAL_COMMAND}`")
+        scores[key] = (rows["lowconf1"]["accuracy"], rows["threshold"]["accuracy"], rows["lowconf1"]["num_samples"])
+    chosen = max(MDM_ATTENTIONS, key=lambda k: (scores[k][0], scores[k][1], k == "block"))
+    parts = [f"{MDM_ATTENTIONS[k][0]} (`{MDM_ATTENTIONS[k][1]}`): LLaDA baseline {scores[k][0]:.1%}, "
+             f"Fast-dLLM {scores[k][1]:.1%}" for k in MDM_ATTENTIONS]
+    tested = "the MDM rows above are of this conversion" if chosen == "block" else (
+        "the MDM rows above are still of the block-causal conversion (the chosen one's test tables are not run yet)")
+    return (f"MDM attention, chosen on {scores['block'][2]} val problems (`{MDM_VAL_COMMAND}`): "
+            f"{'; '.join(parts)}. Chosen: **{MDM_ATTENTIONS[chosen][0]}**; {tested}.")
+
+
 def markdown(table: list[dict], missing: list[RealRow]) -> str:
     def fmt(value, spec: str, suffix: str = "") -> str:
         return "—" if value is None else format(value, spec) + suffix
@@ -224,6 +254,9 @@ def main(argv: list[str] | None = None) -> None:
     if not table:
         raise SystemExit(f"no real-model results in {args.results_dir}: run `bash scripts/reproduce.sh --real`")
     md = markdown(table, missing)
+    choice = mdm_attention_choice(args.results_dir)
+    if choice:
+        md += "\n\n" + choice
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "summary.md").write_text(
         "Command: python -m pardec.benchmarks.real_summary (reads the real-model benchmarks' JSON in this folder, "

@@ -139,7 +139,7 @@ REAL_STEPS: tuple[Step, ...] = (
             module="pardec.benchmarks.mdm_flashdlm")
       for short, run in (("block", "runs/smollm2_mdm"), ("bidir", "runs/smollm2_mdm_bidir"))),
     bench("real_summary", [], (SMOLLM2, "runs/smollm2_risd", REAL_IDLM, "runs/smollm2_refusion", REAL_JACOBI,
-                               "runs/smollm2_mdm")),
+                               "runs/smollm2_mdm", "runs/smollm2_mdm_bidir")),
 )
 
 
