@@ -70,7 +70,7 @@ def label_points(ax: Axes, points: list[tuple[float, float, str]], fontsize: flo
         _, index, box, (dx, dy) = best
         # off to a side a thin leader line says which point the label belongs to
         leader = None if index < ADJACENT_CANDIDATES else {"arrowstyle": "-", "lw": 0.5, "color": "grey",
-                                                           "shrinkA": 0, "shrinkB": radius * points_per_pixel}
+                                                           "shrinkA": 0, "shrinkB": MARKER_RADIUS_PT}
         notes.append(ax.annotate(text, (x, y), fontsize=fontsize, textcoords="offset points", ha="left", va="bottom",
                                  xytext=(dx * points_per_pixel, dy * points_per_pixel), arrowprops=leader))
         taken.append(box)
