@@ -35,3 +35,45 @@ def test_risd_only_run_on_a_chat_model(tmp_path):
 def test_nothing_to_compare_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="--idlm, --risd"):
         idlm_isd.main(["--base", str(tmp_path)])
+
+
+def isd_row(n: int, tps: float, own: float) -> dict:
+    return {"decoder": f"ISD N={n} greedy", "tps": tps, "identical_to_own_ar": own}
+
+
+def test_n_is_the_fastest_lossless_greedy_row_on_val():
+    val = [{"decoder": "AR greedy (base)", "tps": 50.0, "identical_to_own_ar": 1.0},
+           {"decoder": "AR greedy (I-DLM ckpt)", "tps": 40.0, "identical_to_own_ar": 1.0},
+           isd_row(2, 20.0, 1.0), isd_row(3, 25.0, 1.0), isd_row(4, 30.0, 0.95),
+           {"decoder": "ISD N=6 sample T=1.0", "tps": 99.0, "identical_to_own_ar": 1.0}]
+    assert idlm_isd.choose_stride(val)[0] == 3  # N=4 is faster but not lossless; AR and sampled rows never chosen
+    assert idlm_isd.choose_stride([isd_row(2, 20.0, 0.9), isd_row(4, 30.0, 0.5)]) == (
+        4, "no greedy row is identical to own AR greedy on val: the highest TPS")
+
+
+def test_n_chosen_on_val_then_the_test_rows_use_it(tmp_path):
+    base = save_chat_checkpoint(tmp_path / "base")
+    result = run_in_process([
+        f"output_dir={tmp_path / 'run'}", "recipe=idlm", "model=hf", f"model.path={base}", "data.pack_length=512",
+        "recipe.stages=[{name: s2, max_steps: 1, overrides: {stride: 2}}]",
+    ])
+    out = tmp_path / "table"
+    idlm_isd.main(["--base", str(base), "--idlm", str(result.export_dir), "--num-samples", "2", "--num-val", "2",
+                   "--strides", "2", "3", "--no-sample", "--max-new-tokens", "8", "--threads", "1",
+                   "--bound-cache", "8", "--bound-repeats", "1", "--out", str(out)])
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert [r["decoder"] for r in data["validation"]] == [
+        "AR greedy (base)", "AR greedy (I-DLM ckpt)", "ISD N=2 greedy", "ISD N=3 greedy"]
+    assert (data["chosen_stride"], data["choice_rule"]) == idlm_isd.choose_stride(data["validation"])
+    n = data["chosen_stride"]
+    assert [r["decoder"] for r in data["test"]] == ["AR greedy (base)", "AR greedy (I-DLM ckpt)", f"ISD N={n} greedy"]
+    assert data["test"][2]["identical_to_own_ar"] == 1.0 and data["test"][2]["num_samples"] == 2
+    md = out.with_suffix(".md").read_text()
+    assert f"N chosen here: {n}" in md and "Test split (2 problems)" in md
+
+
+def test_num_val_needs_an_idlm_checkpoint_and_the_test_split(tmp_path):
+    with pytest.raises(SystemExit, match="give --idlm"):
+        idlm_isd.main(["--base", str(tmp_path), "--risd", str(tmp_path), "--num-val", "2"])
+    with pytest.raises(SystemExit, match="drop --split val"):
+        idlm_isd.main(["--base", str(tmp_path), "--idlm", str(tmp_path), "--num-val", "2", "--split", "val"])

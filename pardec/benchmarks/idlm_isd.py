@@ -15,7 +15,12 @@ this run. Columns:
 
 A real chat model (``--template auto`` renders its prompts through the chat template) runs the same
 way, on any ``--device`` and ``--dtype``; ``--strides`` and ``--no-sample`` choose the ISD rows and
-``--split val`` the validation problems (to choose N on). ``--cuda-graphs`` runs every row, AR
+``--split val`` the validation problems. ``--num-val K`` chooses N on validation first: AR greedy of
+both models and greedy ISD at every N of ``--strides`` on the first K val problems, N = the highest
+TPS among the greedy rows identical to the checkpoint's own AR greedy (on a CPU a wider verify forward
+costs more, so the highest TPF need not be the fastest); the ``--split`` rows then have ISD at that N
+alone, and the JSON is ``{chosen_stride, choice_rule, validation, test}`` instead of the table.
+``--cuda-graphs`` runs every row, AR
 included, over a static cache with each step width captured once as a CUDA graph
 (``pardec.inference.decoders.decode_steps``), so that on a GPU TPS follows TPF.
 
@@ -32,10 +37,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import torch
 
-from pardec.benchmarks.common import RESULTS, identical, invoked_command, split_rows, write_results
+from pardec.benchmarks.common import RESULTS, identical, invoked_command, split_rows, validation_rows, write_results
 from pardec.benchmarks.real_model_speed import forward_latencies
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.isd import introspective_ratios, resolve_stride
@@ -55,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--split", default="test", choices=["test", "val"])
     p.add_argument("--strides", type=int, nargs="+", default=[2, 3, 4])
+    p.add_argument("--num-val", type=int, default=0,
+                   help="choose N among --strides on this many val problems first (highest TPS, lossless)")
     p.add_argument("--no-sample", action="store_true", help="greedy ISD rows only")
     p.add_argument("--template", default="auto", choices=["auto", "plain", "chat"],
                    help="auto: the chat template where the tokenizer has one (a chat model), else plain")
@@ -80,39 +88,9 @@ def alpha(model, tokenizer, records, stride: int, template: str) -> float:
     return float(torch.cat(ratios).mean()) if ratios else float("nan")
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    eval_rows = split_rows(args.split, args.num_samples)
-
-    def load(path: str):
-        return load_checkpoint(path, device=args.device, dtype=args.dtype)
-
-    if args.idlm is None and args.risd is None:
-        raise SystemExit("give --idlm, --risd or both: there is nothing to compare AR greedy with")
-    models = {"base": load(args.base)}
-    if args.idlm:
-        models["idlm"] = load(args.idlm)
-    if args.risd:
-        models["risd"] = load(args.risd)
-
-    greedy = {"max_new_tokens": args.max_new_tokens, "batch_size": 1, "cuda_graphs": args.cuda_graphs}
-    sample = {**greedy, "mode": "sample", "temperature": args.temperature}
-    rows = [("AR greedy (base)", "base", {"name": "ar", **greedy}, None)]
-    if args.idlm:
-        rows += [
-            ("AR greedy (I-DLM ckpt)", "idlm", {"name": "ar", **greedy}, None),
-            *[(f"ISD N={n} greedy", "idlm", {"name": "isd", "stride": n, **greedy}, n) for n in args.strides],
-            *[(f"ISD N={n} sample T={args.temperature}", "idlm", {"name": "isd", "stride": n, **sample}, n)
-              for n in ([] if args.no_sample else args.strides)],
-        ]
-    if args.risd:
-        stride = resolve_stride(models["risd"][0], None)
-        rows.append((f"R-ISD N={stride} greedy (gated LoRA)", "risd", {"name": "isd", "stride": stride, **greedy}, stride))
-
-    strides = sorted({stride for *_, stride in rows if stride})
-    latency = {} if args.no_bound else forward_latencies(
-        models["base"][0], [1, *(2 * n - 1 for n in strides)], args.bound_cache, args.bound_repeats)
+def measure(args, models, eval_rows, rows, latency) -> list[dict]:
+    """One table row per ``(label, model key, decoder config, stride)`` of ``rows`` on ``eval_rows``, in
+    order (the first is the base's AR greedy: the TPS ratios' reference)."""
     table, own_ar = [], {}
     warmup = eval_rows.select(range(min(2, len(eval_rows))))
     for label, which, decoder, stride in rows:
@@ -139,20 +117,96 @@ def main(argv: list[str] | None = None) -> None:
         row["share_of_bound"] = row["tps_ratio"] / row["bound"] if row["bound"] else None
         table.append(row)
         print(json.dumps(row), flush=True)
+    return table
 
+
+def choose_stride(val_table: list[dict]) -> tuple[int, str]:
+    """(N, the rule that chose it): the greedy ISD row with the highest TPS among those identical to
+    their checkpoint's AR greedy on every val problem (the fastest of all greedy ISD rows when none is)."""
+    greedy = [r for r in val_table if re.fullmatch(r"ISD N=\d+ greedy", r["decoder"])]
+    if not greedy:
+        raise ValueError("no greedy ISD row to choose N from")
+    lossless = [r for r in greedy if r["identical_to_own_ar"] == 1.0]
+    best = max(lossless or greedy, key=lambda r: r["tps"])
+    rule = "the highest TPS among the greedy rows identical to own AR greedy" if lossless else (
+        "no greedy row is identical to own AR greedy on val: the highest TPS")
+    return int(best["decoder"].split("=")[1].split()[0]), rule
+
+
+def markdown(table: list[dict]) -> str:
     header = ("| decoder | accuracy | = base AR greedy | = own AR greedy | TPF | TPS | TPS / AR | alpha | TPF formula "
               "| bound TPF·t(1)/t(2N-1) | share of bound |\n|---|---|---|---|---|---|---|---|---|---|---|")
     fmt = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
-    lines = [header] + [
+    return "\n".join([header] + [
         f"| {r['decoder']} | {r['accuracy']:.1%} | {r['identical_to_base']:.1%} | {r['identical_to_own_ar']:.1%} | "
         f"{r['tpf']:.2f} | {r['tps']:.1f} | "
         f"{r['tps_ratio']:.2f}x | {fmt(r['alpha'], '.3f')} | {fmt(r['tpf_formula'], '.2f')} | "
         f"{fmt(r['bound'], '.2f')} | {fmt(r['share_of_bound'], '.0%')} |"
         for r in table
-    ]
-    md = "\n".join(lines)
+    ])
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.idlm is None and args.risd is None:
+        raise SystemExit("give --idlm, --risd or both: there is nothing to compare AR greedy with")
+    if args.num_val and args.idlm is None:
+        raise SystemExit("--num-val chooses the I-DLM checkpoint's N: give --idlm")
+    if args.num_val and args.split == "val":
+        raise SystemExit("--num-val chooses N on val to report on test: drop --split val")
+    eval_rows = split_rows(args.split, args.num_samples)
+
+    def load(path: str):
+        return load_checkpoint(path, device=args.device, dtype=args.dtype)
+
+    models = {"base": load(args.base)}
+    if args.idlm:
+        models["idlm"] = load(args.idlm)
+    if args.risd:
+        models["risd"] = load(args.risd)
+
+    greedy = {"max_new_tokens": args.max_new_tokens, "batch_size": 1, "cuda_graphs": args.cuda_graphs}
+    sample = {**greedy, "mode": "sample", "temperature": args.temperature}
+
+    def isd_rows(strides: list[int], sampled: bool) -> list[tuple]:
+        return [
+            ("AR greedy (I-DLM ckpt)", "idlm", {"name": "ar", **greedy}, None),
+            *[(f"ISD N={n} greedy", "idlm", {"name": "isd", "stride": n, **greedy}, n) for n in strides],
+            *[(f"ISD N={n} sample T={args.temperature}", "idlm", {"name": "isd", "stride": n, **sample}, n)
+              for n in (strides if sampled else [])],
+        ]
+
+    base_ar = ("AR greedy (base)", "base", {"name": "ar", **greedy}, None)
+    risd_stride = resolve_stride(models["risd"][0], None) if args.risd else None
+    strides = sorted({*(args.strides if args.idlm else []), *([risd_stride] if risd_stride else [])})
+    latency = {} if args.no_bound else forward_latencies(
+        models["base"][0], [1, *(2 * n - 1 for n in strides)], args.bound_cache, args.bound_repeats)
+
+    validation, chosen, rule = None, None, None
+    test_strides = args.strides
+    if args.num_val:
+        validation = measure(args, models, validation_rows(args.num_val), [base_ar, *isd_rows(args.strides, False)],
+                             latency)
+        chosen, rule = choose_stride(validation)
+        test_strides = [chosen]
+    rows = [base_ar, *(isd_rows(test_strides, not args.no_sample) if args.idlm else [])]
+    if args.risd:
+        rows.append((f"R-ISD N={risd_stride} greedy (gated LoRA)", "risd",
+                     {"name": "isd", "stride": risd_stride, **greedy}, risd_stride))
+    table = measure(args, models, eval_rows, rows, latency)
+
+    command = invoked_command("pardec.benchmarks.idlm_isd")
+    if validation is None:
+        md, payload = markdown(table), table
+    else:
+        md = (f"Validation split ({args.num_val} problems of the generator's val split; N chosen here: {chosen}, "
+              f"{rule}):\n\n{markdown(validation)}\n\n"
+              f"{args.split.capitalize()} split ({args.num_samples} problems):\n\n{markdown(table)}")
+        payload = {"command": command, "chosen_stride": chosen, "choice_rule": rule,
+                   "validation": validation, "test": table}
     print(md)
-    write_results(args.out, invoked_command("pardec.benchmarks.idlm_isd"), md, table)
+    write_results(args.out, command, md, payload)
 
 
 if __name__ == "__main__":

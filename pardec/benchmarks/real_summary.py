@@ -70,12 +70,19 @@ MDM_FLASHDLM_ROWS = (  # (label in the mdm_flashdlm table, plot label, lossless 
     ("Guided (shifted, strict; = base AR greedy)", "guided (shifted)", "base"),
 )
 ISD = "idlm_isd"
+
+
+def isd_chosen(data) -> str:
+    """The greedy ISD row at the N the benchmark chose on val (``idlm_isd --num-val``)."""
+    return f"ISD N={data['chosen_stride']} greedy"
+
+
 ROWS: tuple[RealRow, ...] = (
     RealRow("AR", "SmolLM2 SFT (CPU)", CPU, "cpu_risd", ISD, "AR greedy (base)", "AR greedy", "smollm2_sft", "base",
             RISD_CPU),
     RealRow("R-ISD", "gated LoRA on the CPU SFT base", CPU, "cpu_risd", ISD, "R-ISD N=3 greedy (gated LoRA)",
             "R-ISD N=3", "smollm2_risd", "base", RISD_CPU),
-    RealRow("I-DLM", "I-DLM (stride 4) on the CPU SFT base", CPU, "cpu_idlm", ISD, "ISD N=4 greedy", "ISD N=4",
+    RealRow("I-DLM", "I-DLM (stride 4) on the CPU SFT base", CPU, "cpu_idlm", ISD, isd_chosen, "ISD (N on val)",
             "smollm2_idlm", "own", IDLM_CPU),
     RealRow("Jacobi Forcing", "Jacobi Forcing round 1 on the CPU SFT base", CPU, "cpu_jacobi_forcing", "jacobi_forcing",
             "Jacobi n=8 (round 1)", "Jacobi n=8", "smollm2_jacobi_forcing", "own", JACOBI_CPU),

@@ -50,7 +50,8 @@ class Source:
 SOURCES = {
     s.name: s
     for s in (
-        Source("idlm_isd", "python -m pardec.benchmarks.idlm_isd", lambda d: d,
+        # A table, or {validation, test, chosen_stride} when N was chosen on val (--num-val).
+        Source("idlm_isd", "python -m pardec.benchmarks.idlm_isd", lambda d: d["test"] if isinstance(d, dict) else d,
                "identical_to_base", "identical_to_own_ar", "tps_ratio"),
         Source("jacobi_forcing", "python -m pardec.benchmarks.jacobi_forcing", lambda d: d["decoding"],
                "identical_to_base", "identical_to_own_ar", "tps_ratio"),
