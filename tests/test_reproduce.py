@@ -1,5 +1,5 @@
 """pardec/cli/reproduce.py: steps run in order, finished ones are skipped, a benchmark re-runs when a
-run it reads was re-trained, and a failed attempt's time counts toward the step's total."""
+run it reads was re-trained or its arguments changed, and a failed attempt's time counts toward the step's total."""
 
 from __future__ import annotations
 
@@ -42,6 +42,17 @@ def test_benchmark_reruns_when_its_input_was_retrained(pipeline):
     (pipeline / "runs/conv/DONE").write_text("step 6\n")  # the conversion was trained further
     reproduce.main([])
     assert (pipeline / "calls").read_text() == "xx"
+
+
+def test_benchmark_reruns_when_its_arguments_changed(pipeline, monkeypatch):
+    reproduce.main([])
+    train, bench = reproduce.STEPS
+    changed = reproduce.Step("bench", [*bench.command, "--num-val", "30"], inputs=bench.inputs)
+    monkeypatch.setattr(reproduce, "STEPS", (train, changed))
+    reproduce.main([])
+    assert (pipeline / "calls").read_text() == "xx"
+    reproduce.main([])
+    assert (pipeline / "calls").read_text() == "xx"  # the new command's marker is kept
 
 
 def test_failed_attempt_counts_toward_the_step_time(pipeline, monkeypatch):

@@ -14,8 +14,8 @@ two OpenMP threads ran the base's training at 1.3-1.6 s per step, against 0.1 s 
 anything else used a core; one thread per step keeps the times stable and leaves a core free.
 The run is resumable: a training step is done when its run directory holds ``DONE`` (the trainer
 itself resumes an interrupted run from its last checkpoint); a benchmark step is done when
-``runs/reproduce/<step>.done`` records the same inputs (the ``DONE`` files of the runs it reads) as
-now, so a re-trained conversion is benchmarked again. Wall time per step is printed and kept in
+``runs/reproduce/<step>.done`` records the same inputs (the ``DONE`` files of the runs it reads) and
+the same command as now, so a re-trained conversion, or a benchmark whose arguments changed, is run again. Wall time per step is printed and kept in
 ``runs/reproduce/steps.json``. Everything is relative to the working directory, the repository
 root when started by ``scripts/reproduce.sh`` (it writes the repository's ``benchmarks/results/``).
 """
@@ -145,8 +145,9 @@ REAL_STEPS: tuple[Step, ...] = (
 
 
 def inputs_digest(step: Step) -> str:
-    """Digest of the DONE files a benchmark reads; a missing one is an error (order is wrong)."""
-    digest = hashlib.sha256()
+    """Digest of a benchmark's arguments (its command after the interpreter) and of the DONE files it
+    reads; a missing one is an error (order is wrong)."""
+    digest = hashlib.sha256("\0".join(step.command[1:]).encode() + b"\0\0")
     for run_dir in step.inputs:
         done = Path(run_dir) / "DONE"
         if not done.is_file():
