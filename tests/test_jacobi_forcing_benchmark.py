@@ -1,11 +1,14 @@
 """pardec.benchmarks.jacobi_forcing with the real-model flags: one round, no wide rows, no training
-table, chat prompts, the bound column; every parallel row lossless against its own AR greedy."""
+table, chat prompts, the bound column; every parallel row lossless against its own AR greedy; and the
+block size chosen on val (the fastest lossless Jacobi row) used by the test rows."""
 
 from __future__ import annotations
 
 import json
 
-from pardec.benchmarks.jacobi_forcing import main
+import pytest
+
+from pardec.benchmarks.jacobi_forcing import choose_block_size, main
 from pardec.common.metadata import CheckpointMetadata
 from tests.conftest import chat_bpe_tokenizer, save_chat_checkpoint, tiny_model
 
@@ -34,3 +37,46 @@ def test_one_round_real_model_flags_end_to_end(tmp_path):
     assert rows[multiblock]["bound"] is None and rows["AR greedy (base)"]["bound"] is None
     md = out.with_suffix(".md").read_text()
     assert "share of bound" in md and "Training step" not in md and "2 test problems" in md
+
+
+def jacobi_row(n: int, tps: float, own: float, model: str = "round1") -> dict:
+    return {"decoder": f"Jacobi n={n}", "model": model, "decoder_config": {"name": "jacobi", "block_size": n},
+            "tps": tps, "identical_to_own_ar": own}
+
+
+def test_n_is_the_fastest_lossless_jacobi_row_of_a_trained_round():
+    ar = {"decoder": "AR greedy (round 1)", "model": "round1", "decoder_config": {"name": "ar"}, "tps": 99.0,
+          "identical_to_own_ar": 1.0}
+    val = [ar, jacobi_row(16, 50.0, 1.0, model="base"), jacobi_row(4, 10.0, 1.0), jacobi_row(8, 12.0, 1.0),
+           jacobi_row(16, 15.0, 0.9)]
+    assert choose_block_size(val) == (8, "the highest TPS among the Jacobi rows identical to own AR greedy")
+    assert choose_block_size([jacobi_row(4, 10.0, 0.9), jacobi_row(8, 12.0, 0.5)])[0] == 8
+
+
+def test_n_chosen_on_val_then_the_test_rows_use_it(tmp_path):
+    base = save_chat_checkpoint(tmp_path / "base")
+    tok = chat_bpe_tokenizer()
+    model = tiny_model(len(tok), "llama", 1, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                       pad_token_id=None)
+    CheckpointMetadata(recipe="jacobi_forcing", jacobi_block_size=4).write_to(model)
+    model.save_pretrained(tmp_path / "round1")
+    tok.save_pretrained(tmp_path / "round1")
+    out = tmp_path / "result"
+    main(["--base", str(base), "--round1", str(tmp_path / "round1"), "--num-samples", "2", "--max-new-tokens", "8",
+          "--num-val", "2", "--val-block-sizes", "2", "4", "--wide-block-size", "0", "--no-training-table",
+          "--bound-repeats", "1", "--bound-cache", "8", "--threads", "1", "--out", str(out)])
+    payload = json.loads(out.with_suffix(".json").read_text())
+    assert [r["decoder"] for r in payload["validation"]] == [
+        "AR greedy (base)", "AR greedy (round 1)", "Jacobi n=2 (round 1, trained at n=4)", "Jacobi n=4 (round 1)"]
+    n = payload["chosen_block_size"]
+    assert (n, payload["choice_rule"]) == choose_block_size(payload["validation"])
+    labels = [r["decoder"] for r in payload["decoding"]]
+    assert labels[1] == f"Jacobi n={n} (base, untrained)"
+    assert payload["chosen_labels"]["jacobi"] in labels and payload["chosen_labels"]["multiblock"] in labels
+    assert all(r["decoder_config"]["block_size"] == n for r in payload["decoding"] if r["decoder_config"]["name"] != "ar")
+    assert f"n chosen here: {n}" in out.with_suffix(".md").read_text()
+
+
+def test_num_val_reports_on_test(tmp_path):
+    with pytest.raises(SystemExit, match="drop --split val"):
+        main(["--base", str(tmp_path), "--round1", str(tmp_path), "--num-val", "2", "--split", "val"])

@@ -85,6 +85,24 @@ def test_refusion_row_is_the_setting_chosen_on_validation(folders):
     assert refusion["lossless"] == "no" and not refusion["lossless_verified"]
 
 
+def test_isd_and_jacobi_rows_are_at_the_n_chosen_on_validation(folders):
+    """idlm_isd --num-val and jacobi_forcing --num-val write dicts: the test rows and what val chose."""
+    results, _ = folders
+    isd = [bench_row("AR greedy (base)", 1.0, 1.0, 1.0), bench_row("AR greedy (I-DLM ckpt)", 0.5, 1.0, 1.0),
+           bench_row("ISD N=3 greedy", 0.5, 2.4, 1.6)]
+    (results / "cpu_idlm.json").write_text(json.dumps({"chosen_stride": 3, "validation": [], "test": isd}))
+    jacobi, multiblock = "Jacobi n=4 (round 1, trained at n=8)", "Multi-block + recycling n=4 K=2 (round 1)"
+    decoding = [bench_row("AR greedy (base)", 1.0, 1.0, 1.0), bench_row(jacobi, 0.6, 1.3, 1.1),
+                bench_row(multiblock, 0.6, 1.4, 1.05)]
+    (results / "cpu_jacobi_forcing.json").write_text(json.dumps({
+        "decoding": decoding, "chosen_labels": {"jacobi": jacobi, "multiblock": multiblock}}))
+    table, missing = real_summary.build(results, {})
+    rows = {(r["method"], r["decoder"]): r for r in table}
+    assert rows[("I-DLM", "ISD N=3 greedy")]["tpf"] == 2.4
+    assert rows[("Jacobi Forcing", jacobi)]["tps_ratio"] == 1.1 and rows[("Jacobi Forcing", multiblock)]["tpf"] == 1.4
+    assert "cpu_idlm" not in {r.source for r in missing} and "cpu_jacobi_forcing" not in {r.source for r in missing}
+
+
 def test_a_missing_chosen_row_is_listed_by_its_short_name(folders):
     results, _ = folders
     table, missing = real_summary.build(results, {})

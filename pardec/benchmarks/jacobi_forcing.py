@@ -50,6 +50,14 @@ bound TPF · t(1) / t(n) (``t`` measured on the base in this run, widths in turn
 ``pardec.benchmarks.real_model_speed``) and the share of it its TPS / AR reaches; ``--no-bound``
 skips it. The multi-block rows have no bound column (their forwards' widths vary from step to step).
 
+Block size chosen on val (``--num-val K``): before the decoding table, AR greedy of the base and of the
+last round and the last round's Jacobi decoding at every n of ``--val-block-sizes`` run on the first K
+val problems; n = the highest TPS among the Jacobi rows identical to the round's AR greedy on every
+problem (on a CPU a wider forward costs more, so the highest TPF need not be the fastest). The decoding
+table then runs the last round's Jacobi and multi-block rows, and the base's Jacobi row (unless
+``--base-block-size``), at that n; the JSON adds ``validation``, ``chosen_block_size``, ``choice_rule`` and
+``chosen_labels`` (the chosen Jacobi and multi-block rows' labels).
+
 Writes ``benchmarks/results/jacobi_forcing.{md,json}`` (``--out``).
 """
 
@@ -65,7 +73,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from pardec.benchmarks.common import RESULTS, identical, invoked_command, split_rows, write_results
+from pardec.benchmarks.common import RESULTS, identical, invoked_command, split_rows, validation_rows, write_results
 from pardec.benchmarks.real_model_speed import forward_latencies
 from pardec.common.errors import ConfigError
 from pardec.data_pipelines.config import DataConfig
@@ -108,6 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-repeats", type=int, default=3)
     p.add_argument("--no-training-table", action="store_true", help="skip table 2 (the packed-loss timing)")
     p.add_argument("--split", default="test", choices=["test", "val"])
+    p.add_argument("--num-val", type=int, default=0,
+                   help="choose the last round's block size n on this many val problems first (highest TPS, lossless)")
+    p.add_argument("--val-block-sizes", type=int, nargs="+", default=[4, 8, 16], help="the n tried on val")
     p.add_argument("--template", default="auto", choices=["auto", "plain", "chat"],
                    help="prompt format (auto: the tokenizer's chat template when it has one)")
     p.add_argument("--no-bound", action="store_true", help="skip the TPF · t(1)/t(n) bound")
@@ -132,36 +143,74 @@ def trained_block_size(model, path: str) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def decoding_table(args, models: dict, eval_rows) -> list[dict]:
-    rounds = [r for r in ("round1", "round2") if r in models]
-    trained = {r: trained_block_size(models[r][0], getattr(args, r)) for r in rounds}
+ROUND_NAME = {"round1": "round 1", "round2": "round 2"}
+
+
+def jacobi_label(n: int, which: str, trained: int | None) -> str:
+    """``Jacobi n=8 (round 1)``; a round decoded at another n than it was trained at says so."""
+    if which == "base":
+        return f"Jacobi n={n} (base, untrained)"
+    return f"Jacobi n={n} ({ROUND_NAME[which]}" + ("" if n == trained else f", trained at n={trained}") + ")"
+
+
+def jacobi_config(args, n: int) -> dict:
+    return {"name": "jacobi", "block_size": n, "draft_init": "context", "max_new_tokens": args.max_new_tokens,
+            "batch_size": 1}
+
+
+def multiblock_row(args, n: int, last: str) -> tuple[str, str, dict]:
+    label = (f"Multi-block + recycling n={n} K={args.num_blocks} r={args.spawn_ratio} "
+             f"pool={args.ngram_pool_size} verify={args.verification_size} ({ROUND_NAME[last]})")
+    return label, last, {"name": "multiblock", "block_size": n, "num_blocks": args.num_blocks,
+                         "spawn_ratio": args.spawn_ratio, "ngram_pool_size": args.ngram_pool_size,
+                         "verification_size": args.verification_size, "draft_init": "context",
+                         "max_new_tokens": args.max_new_tokens, "batch_size": 1}
+
+
+def decoding_rows(args, trained: dict[str, int], chosen: int | None) -> list[tuple[str, str, dict]]:
+    """(label, model key, decoder config) of table 1, in order: each model's AR greedy before its
+    parallel rows. The last round decodes at ``chosen`` (its trained n when None)."""
+    rounds = list(trained)
     last = rounds[-1]
-    n_last = trained[last]
+    n_last = chosen or trained[last]
     base_n = args.base_block_size or n_last
-    wide_n = 2 * n_last if args.wide_block_size is None else args.wide_block_size
-    round_name = {"round1": "round 1", "round2": "round 2"}
-    common = {"max_new_tokens": args.max_new_tokens, "batch_size": 1}
-    jacobi = lambda n: {"name": "jacobi", "block_size": n, "draft_init": "context", **common}  # noqa: E731
-
-    def multiblock(n: int) -> tuple[str, str, dict]:
-        label = (f"Multi-block + recycling n={n} K={args.num_blocks} r={args.spawn_ratio} "
-                 f"pool={args.ngram_pool_size} verify={args.verification_size} ({round_name[last]})")
-        return label, last, {"name": "multiblock", "block_size": n, "num_blocks": args.num_blocks,
-                                 "spawn_ratio": args.spawn_ratio, "ngram_pool_size": args.ngram_pool_size,
-                                 "verification_size": args.verification_size, "draft_init": "context", **common}
-
-    rows = [("AR greedy (base)", "base", {"name": "ar", **common}),
-            (f"Jacobi n={base_n} (base, untrained)", "base", jacobi(base_n))]
+    wide_n = 2 * trained[last] if args.wide_block_size is None else args.wide_block_size
+    ar = {"name": "ar", "max_new_tokens": args.max_new_tokens, "batch_size": 1}
+    rows = [("AR greedy (base)", "base", ar), (jacobi_label(base_n, "base", None), "base", jacobi_config(args, base_n))]
     for r in rounds:
-        rows += [(f"AR greedy ({round_name[r]})", r, {"name": "ar", **common}),
-                 (f"Jacobi n={trained[r]} ({round_name[r]})", r, jacobi(trained[r]))]
-    rows.append(multiblock(n_last))
+        n = n_last if r == last else trained[r]
+        rows += [(f"AR greedy ({ROUND_NAME[r]})", r, ar), (jacobi_label(n, r, trained[r]), r, jacobi_config(args, n))]
+    rows.append(multiblock_row(args, n_last, last))
     if wide_n:
-        rows += [(f"Jacobi n={wide_n} ({round_name[last]}, trained at n={n_last})", last, jacobi(wide_n)),
-                 multiblock(wide_n)]
-    widths = sorted({d["block_size"] for _, _, d in rows if d["name"] == "jacobi"})
-    latency = {} if args.no_bound else forward_latencies(models["base"][0], [1, *widths], args.bound_cache,
-                                                         args.bound_repeats)
+        rows += [(jacobi_label(wide_n, last, trained[last]), last, jacobi_config(args, wide_n)),
+                 multiblock_row(args, wide_n, last)]
+    return rows
+
+
+def validation_rows_for_n(args, trained: dict[str, int]) -> list[tuple[str, str, dict]]:
+    """The val phase: AR greedy of the base and of the last round, then the last round's Jacobi at
+    every n of ``--val-block-sizes``."""
+    last = list(trained)[-1]
+    ar = {"name": "ar", "max_new_tokens": args.max_new_tokens, "batch_size": 1}
+    return [("AR greedy (base)", "base", ar), (f"AR greedy ({ROUND_NAME[last]})", last, ar),
+            *[(jacobi_label(n, last, trained[last]), last, jacobi_config(args, n)) for n in args.val_block_sizes]]
+
+
+def choose_block_size(val_table: list[dict]) -> tuple[int, str]:
+    """(n, the rule that chose it): the Jacobi row of a trained round with the highest TPS among those
+    identical to their model's AR greedy on every val problem (the fastest when none is)."""
+    jacobi = [r for r in val_table if r["decoder_config"]["name"] == "jacobi" and r["model"] != "base"]
+    if not jacobi:
+        raise ValueError("no Jacobi row of a trained round to choose n from")
+    lossless = [r for r in jacobi if r["identical_to_own_ar"] == 1.0]
+    best = max(lossless or jacobi, key=lambda r: r["tps"])
+    rule = "the highest TPS among the Jacobi rows identical to own AR greedy" if lossless else (
+        "no Jacobi row is identical to own AR greedy on val: the highest TPS")
+    return best["decoder_config"]["block_size"], rule
+
+
+def decoding_table(args, models: dict, eval_rows, rows: list[tuple[str, str, dict]], latency: dict) -> list[dict]:
+    """Every row of ``rows`` on ``eval_rows``; TPS ratios to the first (the base's AR greedy)."""
     table, own_ar = [], {}
     warmup = eval_rows.select(range(min(2, len(eval_rows))))
     for label, which, decoder in rows:
@@ -321,27 +370,47 @@ def efficiency_table(args, model, tok) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    eval_rows = split_rows(args.split, args.num_samples)
-
-    names = ["base", "round1"] + (["round2"] if args.round2 else [])
-    models = {name: load_checkpoint(getattr(args, name), device=args.device, dtype=args.dtype) for name in names}
-    table = decoding_table(args, models, eval_rows)
-    efficiency = None if args.no_training_table else efficiency_table(args, *models["base"])
-
+def markdown(table: list[dict], bound: bool) -> list[str]:
     fmt = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
-    bound = not args.no_bound
     lines = ["| decoder | accuracy | = own AR greedy | = base AR greedy | TPF | TPS | TPS / base AR |"
              + (" bound TPF·t(1)/t(n) | share of bound |" if bound else ""),
              "|---|---|---|---|---|---|---|" + ("---|---|" if bound else "")]
-    lines += [
+    return lines + [
         f"| {r['decoder']} | {fmt(r['accuracy'], '.1%')} | {r['identical_to_own_ar']:.1%} | "
         f"{r['identical_to_base']:.1%} | {r['tpf']:.2f} | {r['tps']:.1f} | {r['tps_ratio']:.2f}x |"
         + (f" {fmt(r['bound'], '.2f')} | {fmt(r['share_of_bound'], '.0%')} |" if bound else "")
         for r in table
     ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.num_val and args.split == "val":
+        raise SystemExit("--num-val chooses n on val to report on test: drop --split val")
+    torch.set_num_threads(args.threads)
+    eval_rows = split_rows(args.split, args.num_samples)
+
+    names = ["base", "round1"] + (["round2"] if args.round2 else [])
+    models = {name: load_checkpoint(getattr(args, name), device=args.device, dtype=args.dtype) for name in names}
+    trained = {r: trained_block_size(models[r][0], getattr(args, r)) for r in names[1:]}
+    val_rows = validation_rows_for_n(args, trained) if args.num_val else []
+    widths = {d["block_size"] for _, _, d in [*val_rows, *decoding_rows(args, trained, None)] if d["name"] == "jacobi"}
+    latency = {} if args.no_bound else forward_latencies(models["base"][0], [1, *sorted(widths)], args.bound_cache,
+                                                         args.bound_repeats)
+    validation, chosen, rule = None, None, None
+    if args.num_val:
+        validation = decoding_table(args, models, validation_rows(args.num_val), val_rows, latency)
+        chosen, rule = choose_block_size(validation)
+    rows = decoding_rows(args, trained, chosen)
+    table = decoding_table(args, models, eval_rows, rows, latency)
+    efficiency = None if args.no_training_table else efficiency_table(args, *models["base"])
+
+    bound = not args.no_bound
+    lines = []
+    if validation is not None:
+        lines += [f"Validation split ({args.num_val} problems of the generator's val split; n chosen here: {chosen}, "
+                  f"{rule}):", "", *markdown(validation, bound), "", f"{args.split.capitalize()} split:", ""]
+    lines += markdown(table, bound)
     lines.append(f"\n{len(eval_rows)} {args.split} problems, batch 1, {args.dtype} on {args.device}, "
                  f"<= {args.max_new_tokens} new tokens, template {args.template}.")
     e = efficiency
@@ -361,7 +430,12 @@ def main(argv: list[str] | None = None) -> None:
     md = "\n".join(lines)
     print(md)
     command = invoked_command("pardec.benchmarks.jacobi_forcing")
-    write_results(args.out, command, md, {"command": command, "decoding": table, "training_efficiency": efficiency})
+    payload = {"command": command, "decoding": table, "training_efficiency": efficiency}
+    if validation is not None:
+        last = names[-1]
+        payload.update(validation=validation, chosen_block_size=chosen, choice_rule=rule, chosen_labels={
+            "jacobi": jacobi_label(chosen, last, trained[last]), "multiblock": multiblock_row(args, chosen, last)[0]})
+    write_results(args.out, command, md, payload)
 
 
 if __name__ == "__main__":

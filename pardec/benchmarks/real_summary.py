@@ -72,6 +72,12 @@ MDM_FLASHDLM_ROWS = (  # (label in the mdm_flashdlm table, plot label, lossless 
 ISD = "idlm_isd"
 
 
+def jacobi_chosen(kind: str) -> Callable[[dict], str]:
+    """The Jacobi (``kind="jacobi"``) or multi-block row at the block size the benchmark chose on val
+    (``jacobi_forcing --num-val``)."""
+    return lambda data: data["chosen_labels"][kind]
+
+
 def isd_chosen(data) -> str:
     """The greedy ISD row at the N the benchmark chose on val (``idlm_isd --num-val``)."""
     return f"ISD N={data['chosen_stride']} greedy"
@@ -82,13 +88,11 @@ ROWS: tuple[RealRow, ...] = (
             RISD_CPU),
     RealRow("R-ISD", "gated LoRA on the CPU SFT base", CPU, "cpu_risd", ISD, "R-ISD N=3 greedy (gated LoRA)",
             "R-ISD N=3", "smollm2_risd", "base", RISD_CPU),
-    RealRow("I-DLM", "I-DLM (stride 4) on the CPU SFT base", CPU, "cpu_idlm", ISD, isd_chosen, "ISD (N on val)",
+    RealRow("I-DLM", "I-DLM (stride 4) on the CPU SFT base", CPU, "cpu_idlm", ISD, isd_chosen, "ISD",
             "smollm2_idlm", "own", IDLM_CPU),
-    RealRow("Jacobi Forcing", "Jacobi Forcing round 1 on the CPU SFT base", CPU, "cpu_jacobi_forcing", "jacobi_forcing",
-            "Jacobi n=8 (round 1)", "Jacobi n=8", "smollm2_jacobi_forcing", "own", JACOBI_CPU),
-    RealRow("Jacobi Forcing", "Jacobi Forcing round 1 on the CPU SFT base", CPU, "cpu_jacobi_forcing",
-            "jacobi_forcing", "Multi-block + recycling n=8 K=2 r=0.85 pool=4 verify=4 (round 1)", "multi-block n=8",
-            "smollm2_jacobi_forcing", "own", JACOBI_CPU),
+    *(RealRow("Jacobi Forcing", "Jacobi Forcing round 1 on the CPU SFT base", CPU, "cpu_jacobi_forcing",
+              "jacobi_forcing", jacobi_chosen(kind), short, "smollm2_jacobi_forcing", "own", JACOBI_CPU)
+      for kind, short in (("jacobi", "Jacobi"), ("multiblock", "multi-block"))),
     RealRow("ReFusion", "ReFusion on the CPU SFT base", CPU, "cpu_refusion", "refusion", refusion_chosen,
             "ReFusion", "smollm2_refusion", None, REFUSION_CPU),
     *(RealRow("MDM", "MDM (block 2) on the CPU SFT base", CPU, "cpu_mdm_flashdlm", "mdm_flashdlm", label, short,

@@ -115,8 +115,10 @@ REAL_STEPS: tuple[Step, ...] = (
                            "--out", f"{REAL}/cpu_refusion"], (SMOLLM2, "runs/smollm2_refusion"),
           module="pardec.benchmarks.refusion"),
     train("smollm2_jacobi_forcing", "00-round1"),
-    # One round (the conversion's budget); the trained n=8 only, no training-cost table (an embedded-default result).
+    # One round (the conversion's budget); n chosen among 4, 8, 16 on 30 val problems (for TPS), no training-cost
+    # table (an embedded-default result).
     bench("cpu_jacobi_forcing", ["--base", f"{SMOLLM2}/hf", "--round1", f"{REAL_JACOBI}/hf", "--wide-block-size", "0",
+                                 "--num-val", "30", "--val-block-sizes", "4", "8", "16",
                                  "--no-training-table", "--threads", "2", "--out", f"{REAL}/cpu_jacobi_forcing"],
           (SMOLLM2, REAL_JACOBI), module="pardec.benchmarks.jacobi_forcing"),
     train("smollm2_mdm"),
