@@ -417,6 +417,16 @@ def test_guided_decoding_through_evaluate_reports_both_forward_counts(guide_dir)
     assert 0 <= m["guide_acceptance"] <= 1
 
 
+def test_evaluate_runs_no_ar_reference_on_an_mdm_export():
+    """agreement=True compares a decoder with the model's own AR greedy; an MDM export has none (its
+    attention is bidirectional or block-causal): no reference is decoded and the agreement is n/a."""
+    rows = datasets.Dataset.from_list(EVAL_ROWS[:2])
+    cfg = {"name": "mdm_lowconf", "max_new_tokens": 8, "block_size": 4, "steps_per_block": 2}
+    result = evaluate(mdm_model("bidirectional"), mdm_tokenizer(), rows, cfg, agreement=True)
+    assert [r["reference_ids"] for r in result.records] == [None, None]
+    assert result.metrics["agreement_exact"] is None and result.metrics["agreement_prefix"] is None
+
+
 # -- named errors ---------------------------------------------------------------------------------------
 
 

@@ -442,3 +442,15 @@ def test_top_level_setting_every_stage_replaces_is_refused_and_a_partial_one_ann
                            f"output_dir={tmp_path}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "'trainer.max_steps' = 2 (given on the command line)" in proc.stderr
     assert not (tmp_path / "stages").exists()
+
+
+def test_output_dir_naming_an_existing_file_is_refused_before_hydra(tmp_path, monkeypatch):
+    from pardec.cli import train as train_cli
+
+    existing = tmp_path / "notes.txt"
+    existing.write_text("x")
+    for override in (f"output_dir={existing}", f"++output_dir={existing}"):
+        monkeypatch.setattr(sys, "argv", ["pardec-train", "experiment=default_base", override])
+        with pytest.raises(SystemExit, match=f"output_dir={existing} is an existing file"):
+            train_cli.main()
+    train_cli.refuse_file_output_dir([f"output_dir={tmp_path}", f"output_dir={tmp_path / 'new'}"])  # no exit

@@ -54,8 +54,19 @@ def train(cfg: DictConfig) -> None:
         sys.exit(PREEMPTED_EXIT_CODE)
 
 
+def refuse_file_output_dir(argv: list[str]) -> None:
+    """Exit naming the path when an ``output_dir=`` override names an existing file: Hydra creates the
+    run directory (``hydra.run.dir=${output_dir}``) before any pardec code runs, and would fail inside
+    ``mkdir`` with a traceback."""
+    for arg in argv:
+        key, sep, value = arg.lstrip("+").partition("=")
+        if sep and key == "output_dir" and os.path.exists(value) and not os.path.isdir(value):
+            sys.exit(f"config error: output_dir={value} is an existing file, not a directory: give a run directory")
+
+
 def main() -> None:
     """``pardec-train``: Hydra reads the overrides from the command line."""
+    refuse_file_output_dir(sys.argv[1:])
     _quiet_non_main_ranks()
     train()
 

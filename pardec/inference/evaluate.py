@@ -16,7 +16,9 @@ there (each rank then decodes the whole set; greedy decoding keeps them in locks
 
 For a decoder other than AR greedy, ``agreement=True`` also decodes the same prompts with AR
 greedy (at ``reference_batch_size``, 1 by default so the reference is exact) and stores its output
-in each record as ``reference_ids`` for the agreement metrics.
+in each record as ``reference_ids`` for the agreement metrics; on a checkpoint AR greedy does not
+decode (an MDM export: bidirectional or block attention, shifted logits) there is no AR reference and
+``reference_ids`` is None.
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ def evaluate(
     ``Decoder.auxiliary_fields``), keyed by config field.
     """
     decoder = build_decoder(decoder_cfg, tokenizer)
-    check_checkpoint_kind(decoder.cfg.name, CheckpointMetadata.of_model(model), model_where(model))
+    metadata = CheckpointMetadata.of_model(model)
+    check_checkpoint_kind(decoder.cfg.name, metadata, model_where(model))
     decoder.use_auxiliary(auxiliary or {})
     template = resolve_template(tokenizer, template)  # a chat template the tokenizer lacks is named here
     ctx = current() if shard else DistInfo()
@@ -103,7 +106,7 @@ def evaluate(
         with decoder.prepare(model):
             results = run_decoder(model, decoder, prompts, indices, eos, show, "decode")
         references = None  # after prepare's exit: the reference sees the model as loaded
-        if agreement and not decoder.is_ar_greedy:
+        if agreement and not decoder.is_ar_greedy and metadata.kind in ARDecoder.checkpoint_kinds:
             ref_cfg = ARDecoderConfig(max_new_tokens=decoder.cfg.max_new_tokens, batch_size=reference_batch_size)
             references = run_decoder(model, ARDecoder(ref_cfg, tokenizer), prompts, indices, eos, show, "AR reference")
     finally:
