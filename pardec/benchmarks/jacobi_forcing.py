@@ -153,6 +153,10 @@ def jacobi_label(n: int, which: str, trained: int | None) -> str:
     return f"Jacobi n={n} ({ROUND_NAME[which]}" + ("" if n == trained else f", trained at n={trained}") + ")"
 
 
+def ar_config(args) -> dict:
+    return {"name": "ar", "max_new_tokens": args.max_new_tokens, "batch_size": 1}
+
+
 def jacobi_config(args, n: int) -> dict:
     return {"name": "jacobi", "block_size": n, "draft_init": "context", "max_new_tokens": args.max_new_tokens,
             "batch_size": 1}
@@ -175,7 +179,7 @@ def decoding_rows(args, trained: dict[str, int], chosen: int | None) -> list[tup
     n_last = chosen or trained[last]
     base_n = args.base_block_size or n_last
     wide_n = 2 * trained[last] if args.wide_block_size is None else args.wide_block_size
-    ar = {"name": "ar", "max_new_tokens": args.max_new_tokens, "batch_size": 1}
+    ar = ar_config(args)
     rows = [("AR greedy (base)", "base", ar), (jacobi_label(base_n, "base", None), "base", jacobi_config(args, base_n))]
     for r in rounds:
         n = n_last if r == last else trained[r]
@@ -191,7 +195,7 @@ def validation_rows_for_n(args, trained: dict[str, int]) -> list[tuple[str, str,
     """The val phase: AR greedy of the base and of the last round, then the last round's Jacobi at
     every n of ``--val-block-sizes``."""
     last = list(trained)[-1]
-    ar = {"name": "ar", "max_new_tokens": args.max_new_tokens, "batch_size": 1}
+    ar = ar_config(args)
     return [("AR greedy (base)", "base", ar), (f"AR greedy ({ROUND_NAME[last]})", last, ar),
             *[(jacobi_label(n, last, trained[last]), last, jacobi_config(args, n)) for n in args.val_block_sizes]]
 
