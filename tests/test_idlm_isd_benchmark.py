@@ -48,7 +48,7 @@ def test_n_is_the_fastest_lossless_greedy_row_on_val():
            {"decoder": "ISD N=6 sample T=1.0", "tps": 99.0, "identical_to_own_ar": 1.0}]
     assert idlm_isd.choose_stride(val)[0] == 3  # N=4 is faster but not lossless; AR and sampled rows never chosen
     assert idlm_isd.choose_stride([isd_row(2, 20.0, 0.9), isd_row(4, 30.0, 0.5)]) == (
-        4, "no greedy row is identical to own AR greedy on val: the highest TPS")
+        4, "none of the greedy rows is identical to own AR greedy on val: the highest TPS")
 
 
 def test_n_chosen_on_val_then_the_test_rows_use_it(tmp_path):

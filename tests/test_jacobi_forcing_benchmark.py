@@ -13,7 +13,9 @@ from pardec.common.metadata import CheckpointMetadata
 from tests.conftest import chat_bpe_tokenizer, save_chat_checkpoint, tiny_model
 
 
-def test_one_round_real_model_flags_end_to_end(tmp_path):
+def save_base_and_round1(tmp_path):
+    """A tiny chat base and a random "round 1" trained at n=4 (untrained weights: Jacobi decoding is
+    lossless whatever the weights); returns the base's directory, the round's is ``tmp_path/round1``."""
     base = save_chat_checkpoint(tmp_path / "base")
     tok = chat_bpe_tokenizer()
     model = tiny_model(len(tok), "llama", 1, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
@@ -21,6 +23,11 @@ def test_one_round_real_model_flags_end_to_end(tmp_path):
     CheckpointMetadata(recipe="jacobi_forcing", jacobi_block_size=4).write_to(model)
     model.save_pretrained(tmp_path / "round1")
     tok.save_pretrained(tmp_path / "round1")
+    return base
+
+
+def test_one_round_real_model_flags_end_to_end(tmp_path):
+    base = save_base_and_round1(tmp_path)
     out = tmp_path / "result"
     main(["--base", str(base), "--round1", str(tmp_path / "round1"), "--num-samples", "2", "--max-new-tokens", "8",
           "--wide-block-size", "0", "--no-training-table", "--bound-repeats", "2", "--bound-cache", "8",
@@ -54,13 +61,7 @@ def test_n_is_the_fastest_lossless_jacobi_row_of_a_trained_round():
 
 
 def test_n_chosen_on_val_then_the_test_rows_use_it(tmp_path):
-    base = save_chat_checkpoint(tmp_path / "base")
-    tok = chat_bpe_tokenizer()
-    model = tiny_model(len(tok), "llama", 1, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-                       pad_token_id=None)
-    CheckpointMetadata(recipe="jacobi_forcing", jacobi_block_size=4).write_to(model)
-    model.save_pretrained(tmp_path / "round1")
-    tok.save_pretrained(tmp_path / "round1")
+    base = save_base_and_round1(tmp_path)
     out = tmp_path / "result"
     main(["--base", str(base), "--round1", str(tmp_path / "round1"), "--num-samples", "2", "--max-new-tokens", "8",
           "--num-val", "2", "--val-block-sizes", "2", "4", "--wide-block-size", "0", "--no-training-table",

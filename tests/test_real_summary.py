@@ -95,10 +95,11 @@ def test_isd_and_jacobi_rows_are_at_the_n_chosen_on_validation(folders):
     decoding = [bench_row("AR greedy (base)", 1.0, 1.0, 1.0), bench_row(jacobi, 0.6, 1.3, 1.1),
                 bench_row(multiblock, 0.6, 1.4, 1.05)]
     (results / "cpu_jacobi_forcing.json").write_text(json.dumps({
-        "decoding": decoding, "chosen_labels": {"jacobi": jacobi, "multiblock": multiblock}}))
+        "decoding": decoding, "chosen_block_size": 4, "chosen_labels": {"jacobi": jacobi, "multiblock": multiblock}}))
     table, missing = real_summary.build(results, {})
     rows = {(r["method"], r["decoder"]): r for r in table}
-    assert rows[("I-DLM", "ISD N=3 greedy")]["tpf"] == 2.4
+    assert rows[("I-DLM", "ISD N=3 greedy")]["tpf"] == 2.4 and rows[("I-DLM", "ISD N=3 greedy")]["short"] == "ISD N=3"
+    assert [rows[("Jacobi Forcing", label)]["short"] for label in (jacobi, multiblock)] == ["Jacobi n=4", "multi-block n=4"]
     assert rows[("Jacobi Forcing", jacobi)]["tps_ratio"] == 1.1 and rows[("Jacobi Forcing", multiblock)]["tpf"] == 1.4
     assert "cpu_idlm" not in {r.source for r in missing} and "cpu_jacobi_forcing" not in {r.source for r in missing}
 

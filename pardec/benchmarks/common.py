@@ -50,6 +50,19 @@ def split_rows(split: str, num_samples: int):
     return validation_rows(num_samples) if split == "val" else held_out_rows(num_samples)
 
 
+def fastest_lossless(candidates: list[dict], what: str) -> tuple[dict, str]:
+    """(the row of ``candidates`` with the highest TPS among those identical to their own AR greedy on
+    every problem, the fastest of all when none is; the rule that chose it, in words). ``what`` names
+    the candidates in the rule ("greedy rows")."""
+    if not candidates:
+        raise ValueError(f"no {what} to choose from")
+    lossless = [r for r in candidates if r["identical_to_own_ar"] == 1.0]
+    best = max(lossless or candidates, key=lambda r: r["tps"])
+    rule = (f"the highest TPS among the {what} identical to own AR greedy" if lossless
+            else f"none of the {what} is identical to own AR greedy on val: the highest TPS")
+    return best, rule
+
+
 def invoked_command(module: str, argv: list[str] | None = None) -> str:
     """``python -m <module> <arguments>``, quoted as a shell would need them: ``argv`` when a caller
     passed its own (``main(argv)``), else this process's."""

@@ -41,7 +41,8 @@ import re
 
 import torch
 
-from pardec.benchmarks.common import RESULTS, identical, invoked_command, split_rows, validation_rows, write_results
+from pardec.benchmarks.common import (RESULTS, fastest_lossless, identical, invoked_command, split_rows, validation_rows,
+                                      write_results)
 from pardec.benchmarks.real_model_speed import forward_latencies
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.isd import introspective_ratios, resolve_stride
@@ -121,15 +122,10 @@ def measure(args, models, eval_rows, rows, latency) -> list[dict]:
 
 
 def choose_stride(val_table: list[dict]) -> tuple[int, str]:
-    """(N, the rule that chose it): the greedy ISD row with the highest TPS among those identical to
-    their checkpoint's AR greedy on every val problem (the fastest of all greedy ISD rows when none is)."""
-    greedy = [r for r in val_table if re.fullmatch(r"ISD N=\d+ greedy", r["decoder"])]
-    if not greedy:
-        raise ValueError("no greedy ISD row to choose N from")
-    lossless = [r for r in greedy if r["identical_to_own_ar"] == 1.0]
-    best = max(lossless or greedy, key=lambda r: r["tps"])
-    rule = "the highest TPS among the greedy rows identical to own AR greedy" if lossless else (
-        "no greedy row is identical to own AR greedy on val: the highest TPS")
+    """(N, the rule that chose it): the fastest greedy ISD row identical to own AR greedy on val
+    (:func:`pardec.benchmarks.common.fastest_lossless`)."""
+    best, rule = fastest_lossless([r for r in val_table if re.fullmatch(r"ISD N=\d+ greedy", r["decoder"])],
+                                  "greedy rows")
     return int(best["decoder"].split("=")[1].split()[0]), rule
 
 

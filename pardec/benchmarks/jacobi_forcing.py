@@ -73,7 +73,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from pardec.benchmarks.common import RESULTS, identical, invoked_command, split_rows, validation_rows, write_results
+from pardec.benchmarks.common import (RESULTS, fastest_lossless, identical, invoked_command, split_rows, validation_rows,
+                                      write_results)
 from pardec.benchmarks.real_model_speed import forward_latencies
 from pardec.common.errors import ConfigError
 from pardec.data_pipelines.config import DataConfig
@@ -201,15 +202,10 @@ def validation_rows_for_n(args, trained: dict[str, int]) -> list[tuple[str, str,
 
 
 def choose_block_size(val_table: list[dict]) -> tuple[int, str]:
-    """(n, the rule that chose it): the Jacobi row of a trained round with the highest TPS among those
-    identical to their model's AR greedy on every val problem (the fastest when none is)."""
-    jacobi = [r for r in val_table if r["decoder_config"]["name"] == "jacobi" and r["model"] != "base"]
-    if not jacobi:
-        raise ValueError("no Jacobi row of a trained round to choose n from")
-    lossless = [r for r in jacobi if r["identical_to_own_ar"] == 1.0]
-    best = max(lossless or jacobi, key=lambda r: r["tps"])
-    rule = "the highest TPS among the Jacobi rows identical to own AR greedy" if lossless else (
-        "no Jacobi row is identical to own AR greedy on val: the highest TPS")
+    """(n, the rule that chose it): the fastest Jacobi row of a trained round identical to its AR greedy
+    on val (:func:`pardec.benchmarks.common.fastest_lossless`)."""
+    best, rule = fastest_lossless(
+        [r for r in val_table if r["decoder_config"]["name"] == "jacobi" and r["model"] != "base"], "Jacobi rows")
     return best["decoder_config"]["block_size"], rule
 
 

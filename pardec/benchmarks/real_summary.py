@@ -33,7 +33,7 @@ class RealRow:
     """One (checkpoint, decoder) on SmolLM2: ``source`` is the results file's stem, ``kind`` the
     benchmark that wrote it (a key of ``pardec.benchmarks.summary.SOURCES``: how its rows are read),
     ``decoder`` the row label in it (or a callable that picks it from the JSON, e.g. the setting chosen
-    on validation); ``conversion`` the run that trained the checkpoint (its wall time's key);
+    on validation), ``short`` its label in the plot (a string or such a callable); ``conversion`` the run that trained the checkpoint (its wall time's key);
     ``lossless`` the AR greedy the decoder reproduces by construction ("base" or "own"), None for no
     claim."""
 
@@ -43,7 +43,7 @@ class RealRow:
     source: str
     kind: str
     decoder: str | Callable[[object], str]
-    short: str
+    short: str | Callable[[object], str]  # plot label (a callable reads the setting chosen on val)
     conversion: str
     lossless: str | None
     command: str
@@ -88,10 +88,11 @@ ROWS: tuple[RealRow, ...] = (
             RISD_CPU),
     RealRow("R-ISD", "gated LoRA on the CPU SFT base", CPU, "cpu_risd", ISD, "R-ISD N=3 greedy (gated LoRA)",
             "R-ISD N=3", "smollm2_risd", "base", RISD_CPU),
-    RealRow("I-DLM", "I-DLM (stride 4) on the CPU SFT base", CPU, "cpu_idlm", ISD, isd_chosen, "ISD",
-            "smollm2_idlm", "own", IDLM_CPU),
+    RealRow("I-DLM", "I-DLM (stride 4) on the CPU SFT base", CPU, "cpu_idlm", ISD, isd_chosen,
+            lambda data: f"ISD N={data['chosen_stride']}", "smollm2_idlm", "own", IDLM_CPU),
     *(RealRow("Jacobi Forcing", "Jacobi Forcing round 1 on the CPU SFT base", CPU, "cpu_jacobi_forcing",
-              "jacobi_forcing", jacobi_chosen(kind), short, "smollm2_jacobi_forcing", "own", JACOBI_CPU)
+              "jacobi_forcing", jacobi_chosen(kind), lambda data, short=short: f"{short} n={data['chosen_block_size']}",
+              "smollm2_jacobi_forcing", "own", JACOBI_CPU)
       for kind, short in (("jacobi", "Jacobi"), ("multiblock", "multi-block"))),
     RealRow("ReFusion", "ReFusion on the CPU SFT base", CPU, "cpu_refusion", "refusion", refusion_chosen,
             "ReFusion", "smollm2_refusion", None, REFUSION_CPU),
@@ -152,7 +153,8 @@ def build(results_dir: Path, seconds: dict[str, float]) -> tuple[list[dict], lis
             "tpf": result["tpf"], "tps_ratio": result.get(source.tps_ratio) if source.tps_ratio else None,
             "lossless": lossless,
             "lossless_verified": verified, "conversion": row.conversion,
-            "conversion_seconds": seconds.get(row.conversion), "short": row.short,
+            "conversion_seconds": seconds.get(row.conversion),
+            "short": row.short(data) if callable(row.short) else row.short,
             "num_problems": result.get("num_samples"),
         })
     return table, missing
@@ -201,7 +203,8 @@ def markdown(table: list[dict], missing: list[RealRow]) -> str:
                      f"{r['lossless']} | {minutes(r['conversion_seconds'])}{base} |")
     if missing:
         lines += ["", "Not measured yet:"]
-        named = lambda r: r.decoder if isinstance(r.decoder, str) else f"{r.short} (chosen on val)"  # noqa: E731
+        named = lambda r: r.decoder if isinstance(r.decoder, str) else (  # noqa: E731
+            f"{r.short if isinstance(r.short, str) else r.method} (chosen on val)")
         lines += [f"- {r.method}, {r.checkpoint}, {named(r)} ({r.hardware}): `{r.command}`" for r in missing]
     return "\n".join(lines)
 
