@@ -38,14 +38,15 @@ def test_nothing_to_compare_is_refused(tmp_path):
 
 
 def isd_row(n: int, tps: float, own: float) -> dict:
-    return {"decoder": f"ISD N={n} greedy", "tps": tps, "identical_to_own_ar": own}
+    return {"decoder": f"ISD N={n} greedy", "stride": n, "greedy": True, "tps": tps, "identical_to_own_ar": own}
 
 
 def test_n_is_the_fastest_lossless_greedy_row_on_val():
-    val = [{"decoder": "AR greedy (base)", "tps": 50.0, "identical_to_own_ar": 1.0},
-           {"decoder": "AR greedy (I-DLM ckpt)", "tps": 40.0, "identical_to_own_ar": 1.0},
+    val = [{"decoder": "AR greedy (base)", "stride": None, "greedy": True, "tps": 50.0, "identical_to_own_ar": 1.0},
+           {"decoder": "AR greedy (I-DLM ckpt)", "stride": None, "greedy": True, "tps": 40.0,
+            "identical_to_own_ar": 1.0},
            isd_row(2, 20.0, 1.0), isd_row(3, 25.0, 1.0), isd_row(4, 30.0, 0.95),
-           {"decoder": "ISD N=6 sample T=1.0", "tps": 99.0, "identical_to_own_ar": 1.0}]
+           {"decoder": "ISD N=6 sample T=1.0", "stride": 6, "greedy": False, "tps": 99.0, "identical_to_own_ar": 1.0}]
     assert idlm_isd.choose_stride(val)[0] == 3  # N=4 is faster but not lossless; AR and sampled rows never chosen
     assert idlm_isd.choose_stride([isd_row(2, 20.0, 0.9), isd_row(4, 30.0, 0.5)]) == (
         4, "none of the greedy rows is identical to own AR greedy on val: the highest TPS")

@@ -20,9 +20,8 @@ both models and greedy ISD at every N of ``--strides`` on the first K val proble
 TPS among the greedy rows identical to the checkpoint's own AR greedy (on a CPU a wider verify forward
 costs more, so the highest TPF need not be the fastest); the ``--split`` rows then have ISD at that N
 alone, and the JSON is ``{chosen_stride, choice_rule, validation, test}`` instead of the table.
-``--cuda-graphs`` runs every row, AR
-included, over a static cache with each step width captured once as a CUDA graph
-(``pardec.inference.decoders.decode_steps``), so that on a GPU TPS follows TPF.
+``--cuda-graphs`` runs every row, AR included, over a static cache with each step width captured once
+as a CUDA graph (``pardec.inference.decoders.decode_steps``), so that on a GPU TPS follows TPF.
 
 Bound: where a forward of q tokens costs more than one of 1 (a CPU, the real model), a verify step
 of stride N feeds 2N-1 tokens, so a decoder committing TPF tokens per forward reaches at most
@@ -37,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 
 import torch
 
@@ -108,6 +106,7 @@ def measure(args, models, eval_rows, rows, latency) -> list[dict]:
         row = {
             "decoder": label, "accuracy": m["accuracy"],
             "identical_to_base": identical(recs, own_ar["base"]), "identical_to_own_ar": identical(recs, own),
+            "stride": stride, "greedy": decoder.get("mode", "greedy") == "greedy",
             "tpf": m["tpf"], "num_samples": m["num_samples"],
             "tps": m["tps"], "tps_ratio": m["tps"] / table[0]["tps"] if table else 1.0,
             "alpha": alpha(model, tok, recs, stride, args.template) if stride else None,
@@ -124,9 +123,8 @@ def measure(args, models, eval_rows, rows, latency) -> list[dict]:
 def choose_stride(val_table: list[dict]) -> tuple[int, str]:
     """(N, the rule that chose it): the fastest greedy ISD row identical to own AR greedy on val
     (:func:`pardec.benchmarks.common.fastest_lossless`)."""
-    best, rule = fastest_lossless([r for r in val_table if re.fullmatch(r"ISD N=\d+ greedy", r["decoder"])],
-                                  "greedy rows")
-    return int(best["decoder"].split("=")[1].split()[0]), rule
+    best, rule = fastest_lossless([r for r in val_table if r["stride"] and r["greedy"]], "greedy rows")
+    return best["stride"], rule
 
 
 def markdown(table: list[dict]) -> str:
