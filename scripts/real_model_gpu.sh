@@ -6,9 +6,13 @@
 # - IDLM=1 (the default): the I-DLM conversion and (RISD=1, the default) the R-ISD gated LoRA on that
 #   base, then AR greedy against ISD N=4 (and R-ISD) on PROBLEMS test problems, twice: every row's
 #   decode step captured as a CUDA graph (--cuda-graphs), then eager;
-# - MDM=1 (default 0): the MDM conversion (experiment=smollm2_mdm_gpu), then the FlashDLM table
-#   (pardec.benchmarks.mdm_flashdlm) on PROBLEMS test problems and (COVER=1, the default) the COVER
-#   table (pardec.benchmarks.cover: tau_draft chosen on COVER_VAL val problems, default 10), eager.
+# - MDM=1 (default 0): the MDM conversion, MDM_ATTENTION=block (the default: experiment=smollm2_mdm_gpu,
+#   block-causal in blocks of 2), block32 (smollm2_mdm_block32_gpu) or bidir (smollm2_mdm_bidir_gpu,
+#   decoded in blocks of 32), then the tables named in MDM_TABLES, in that order (default "flashdlm
+#   cover"): the FlashDLM table (pardec.benchmarks.mdm_flashdlm; MDM_ROWS: its --rows, default all) and
+#   the COVER table (pardec.benchmarks.cover: tau_draft chosen on COVER_VAL val problems, default 10),
+#   both on PROBLEMS test problems, eager; the block32 and bidir runs' tables are named
+#   gpu_*_block32_<gpu> and gpu_*_bidir_<gpu>.
 # Decoding is fp32, so "lossless" is checked token for token without bf16 rounding. Tables go to
 # benchmarks/results/real/gpu_*_<gpu>, the training commands' wall times to gpu_conversions_<gpu>.json
 # (updated after each conversion; a run's entry replaces the same run's from an earlier session).
@@ -19,15 +23,25 @@ cd "$(dirname "$0")/.."
 
 py=${PYTHON:-python3}
 tag="" tiny_data=() tiny_steps=() tiny_stages=() problems=${PROBLEMS:-30} eval_n=200 out=benchmarks/results/real
-splits=${EVAL_SPLITS-val test} with_risd=${RISD:-1} with_idlm=${IDLM:-1} with_mdm=${MDM:-0} with_cover=${COVER:-1}
+splits=${EVAL_SPLITS-val test} with_risd=${RISD:-1} with_idlm=${IDLM:-1} with_mdm=${MDM:-0}
+mdm_attention=${MDM_ATTENTION:-block} mdm_tables=${MDM_TABLES:-flashdlm cover} mdm_rows=${MDM_ROWS:-all}
 cover_val=${COVER_VAL:-10}
+case $mdm_attention in
+  block) mdm_experiment=smollm2_mdm_gpu mdm_suffix="" ;;
+  block32) mdm_experiment=smollm2_mdm_block32_gpu mdm_suffix=_block32 ;;
+  bidir) mdm_experiment=smollm2_mdm_bidir_gpu mdm_suffix=_bidir ;;
+  *) echo "MDM_ATTENTION must be block, block32 or bidir, got '$mdm_attention'" >&2; exit 2 ;;
+esac
+for table in $mdm_tables; do
+  case $table in flashdlm|cover) ;; *) echo "MDM_TABLES: unknown table '$table' (flashdlm, cover)" >&2; exit 2 ;; esac
+done
 if [ "${1:-}" = "--smoke" ]; then
   tag=_smoke problems=2 eval_n=2 cover_val=2 out=runs/smoke_results
   tiny_data=(trainer.micro_batch_size=2 data.max_train_samples=32 trainer.warmup_steps=0) tiny_steps=(trainer.max_steps=2)
   tiny_stages=("recipe.stages=[{name:stride2,max_steps:1,overrides:{stride:2,alpha:0.2}},{name:stride4,max_steps:1,overrides:{stride:4,alpha:null}}]")
 fi
 mkdir -p "$out"
-sft=runs/smollm2_sft_gpu$tag risd=runs/smollm2_risd_gpu$tag idlm=runs/smollm2_idlm_gpu$tag mdm=runs/smollm2_mdm_gpu$tag
+sft=runs/smollm2_sft_gpu$tag risd=runs/smollm2_risd_gpu$tag idlm=runs/smollm2_idlm_gpu$tag mdm=runs/${mdm_experiment}$tag
 last_stage=$([ -n "$tag" ] && echo 01-stride4 || echo 02-stride4)
 gpu=$($py -c "import torch; print(torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else 'cpu')")
 walls=runs/real_gpu_walls$tag.tsv  # <run> <wall seconds>, one line per finished training command
@@ -77,15 +91,18 @@ if [ "$with_idlm" = 1 ]; then
   done
 fi
 if [ "$with_mdm" = 1 ]; then
-  train $mdm/DONE experiment=smollm2_mdm_gpu experiment_name=smollm2_mdm_gpu$tag model.path=$sft/hf \
+  train $mdm/DONE experiment=$mdm_experiment experiment_name=$mdm_experiment$tag model.path=$sft/hf \
     "${tiny_data[@]}" "${tiny_steps[@]}"
-  stamp "benchmark: AR greedy vs the MDM decoders (FlashDLM table), $problems test problems"
-  $py -m pardec.benchmarks.mdm_flashdlm --base $sft/hf --mdm $mdm/hf --num-samples "$problems" --device auto \
-    --dtype float32 --threads 8 --out $out/gpu_mdm_flashdlm_$gpu$tag
-  if [ "$with_cover" = 1 ]; then
-    stamp "benchmark: COVER table, tau_draft on $cover_val val problems, $problems test problems"
-    $py -m pardec.benchmarks.cover --mdm $mdm/hf --num-samples "$problems" --num-validation "$cover_val" \
-      --device auto --dtype float32 --threads 8 --out $out/gpu_cover_$gpu$tag
-  fi
+  for table in $mdm_tables; do
+    if [ $table = flashdlm ]; then
+      stamp "benchmark: AR greedy vs the MDM decoders (FlashDLM table, rows $mdm_rows), $problems test problems"
+      $py -m pardec.benchmarks.mdm_flashdlm --base $sft/hf --mdm $mdm/hf --num-samples "$problems" --rows "$mdm_rows" \
+        --device auto --dtype float32 --threads 8 --out $out/gpu_mdm_flashdlm${mdm_suffix}_$gpu$tag
+    else
+      stamp "benchmark: COVER table, tau_draft on $cover_val val problems, $problems test problems"
+      $py -m pardec.benchmarks.cover --mdm $mdm/hf --num-samples "$problems" --num-validation "$cover_val" \
+        --device auto --dtype float32 --threads 8 --out $out/gpu_cover${mdm_suffix}_$gpu$tag
+    fi
+  done
 fi
 stamp "finished; conversion wall times: $out/gpu_conversions_$gpu.json"
