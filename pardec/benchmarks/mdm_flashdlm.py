@@ -18,6 +18,9 @@ MDM was converted from. Columns:
 ``--split test`` (default): the first ``--num-samples`` problems of the synthetic test split.
 ``--split val``: the first ``--num-samples`` problems of the generator's validation split (disjoint
 from train and test), where the committed defaults are chosen; the test problems stay held out.
+``--chunk-dir DIR``: decode ``--chunk-size`` problems at a time, every row on each chunk in turn,
+each chunk saved in DIR and skipped when the same command runs again; the table (of the problems
+done so far, said in its header) is rewritten after every chunk (``pardec.benchmarks.chunks``).
 
 Writes ``benchmarks/results/mdm_flashdlm.{md,json}`` (``--out``).
 """
@@ -25,14 +28,16 @@ Writes ``benchmarks/results/mdm_flashdlm.{md,json}`` (``--out``).
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
+from pardec.benchmarks.chunks import run_in_chunks
 from pardec.benchmarks.common import RESULTS, identical, invoked_command, split_rows, write_results
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.mdm_common import default_block_size, mdm_info
+from pardec.inference.decoders.registry import build_decoder
 from pardec.inference.evaluate import evaluate
+from pardec.inference.metrics import compute_metrics
 
 
 
@@ -52,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--chunk-dir", default=None,
+                   help="decode in chunks of problems saved here, resumed when run again (pardec.benchmarks.chunks)")
+    p.add_argument("--chunk-size", type=int, default=10, help="problems per chunk (with --chunk-dir)")
     p.add_argument("--out", default=str(RESULTS / "mdm_flashdlm"))
     return p.parse_args(argv)
 
@@ -79,6 +87,40 @@ def rows_config(args) -> list[tuple[str, str, str, dict | None]]:
     ]
 
 
+def table_row(key: str, label: str, which: str, decoder: dict, recs: list[dict], tok, ar_records) -> dict:
+    """One row of the table from its records (every problem's, in index order)."""
+    m = {**compute_metrics(recs, key == "ar"), **build_decoder(decoder, tok).summarize(recs)}
+    n = len(recs)
+    dlm = sum(r["stats"].get("dlm_forwards", 0) for r in recs)
+    guide_f = sum(r["stats"].get("guide_forwards", 0) for r in recs)
+    committed = sum(r["committed"] for r in recs)
+    return {
+        "key": key, "decoder": label, "config": decoder, "accuracy": m["accuracy"], "tpf": m["tpf"],
+        "num_samples": m["num_samples"],
+        "tpf_dlm": committed / dlm if dlm else None,
+        "dlm_forwards_per_sample": dlm / n if which == "mdm" else None,
+        "guide_forwards_per_sample": guide_f / n if which == "mdm" else None,
+        "ar_forwards_per_sample": sum(r["forwards"] for r in recs) / n if which == "base" else None,
+        "tokens_per_sample": committed / n, "tps": m["tps"],
+        "guide_acceptance": m.get("guide_acceptance"),
+        "identical_to_base_ar": identical(recs, ar_records) if ar_records is not None else None,
+    }
+
+
+def table_md(table: list[dict]) -> str:
+    fmt = lambda v, spec: "—" if v is None else format(v, spec)
+    header = ("| decoder | accuracy | = base AR greedy | TPF | TPF (DLM) | DLM fwd / sample | guide fwd / sample | "
+              "guide acceptance | TPS | TPS / MDM baseline | TPS / base AR |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    return "\n".join([header] + [
+        f"| {r['decoder']} | {r['accuracy']:.1%} | {fmt(r['identical_to_base_ar'], '.1%')} | {r['tpf']:.2f} | "
+        f"{fmt(r['tpf_dlm'], '.2f')} | "
+        f"{fmt(r['dlm_forwards_per_sample'], '.1f')} | "
+        f"{fmt(r['guide_forwards_per_sample'], '.1f')} | {fmt(r['guide_acceptance'], '.2f')} | {r['tps']:.1f} | {fmt(r['tps_vs_mdm_baseline'], '.2f')}x | "
+        f"{fmt(r['tps_vs_base_ar'], '.2f')}x |"
+        for r in table
+    ])
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -93,58 +135,50 @@ def main(argv: list[str] | None = None) -> None:
         keys = set(args.rows.split(","))
         selected = [r for r in selected if r[0] in keys]
 
-    table, ar_records = [], None
-    warmup = eval_rows.select(range(min(2, len(eval_rows))))
-    for key, label, which, decoder in selected:
-        model, tok = models[which]
-        aux = {"guide": guide} if decoder.get("name") == "mdm_guided" else None
-        kwargs = {"template": args.template, "agreement": False, "shard": False, "auxiliary": aux}
-        evaluate(model, tok, warmup, decoder, **kwargs)  # untimed warm-up
-        result = evaluate(model, tok, eval_rows, decoder, progress=True, **kwargs)
-        m, recs = result.metrics, sorted(result.records, key=lambda r: r["index"])
-        if key == "ar":
-            ar_records = recs
-        n = len(recs)
-        dlm = sum(r["stats"].get("dlm_forwards", 0) for r in recs)
-        guide_f = sum(r["stats"].get("guide_forwards", 0) for r in recs)
-        committed = sum(r["committed"] for r in recs)
-        row = {
-            "key": key, "decoder": label, "config": decoder, "accuracy": m["accuracy"], "tpf": m["tpf"],
-            "num_samples": m["num_samples"],
-            "tpf_dlm": committed / dlm if dlm else None,
-            "dlm_forwards_per_sample": dlm / n if which == "mdm" else None,
-            "guide_forwards_per_sample": guide_f / n if which == "mdm" else None,
-            "ar_forwards_per_sample": sum(r["forwards"] for r in recs) / n if which == "base" else None,
-            "tokens_per_sample": committed / n, "tps": m["tps"],
-            "guide_acceptance": m.get("guide_acceptance"),
-            "identical_to_base_ar": identical(recs, ar_records) if ar_records is not None else None,
-        }
-        table.append(row)
-        print(json.dumps(row), flush=True)
+    warmup, warmed = eval_rows.select(range(min(2, len(eval_rows)))), set()
 
-    by_key = {r["key"]: r for r in table}
-    for r in table:
-        r["tps_vs_mdm_baseline"] = r["tps"] / by_key["lowconf1"]["tps"] if "lowconf1" in by_key else None
-        r["tps_vs_base_ar"] = r["tps"] / by_key["ar"]["tps"] if "ar" in by_key else None
+    def run_chunk(problems) -> dict[str, list[dict]]:
+        """Every selected row on ``problems``, one after the other (records in index order)."""
+        records = {}
+        for key, _, which, decoder in selected:
+            model, tok = models[which]
+            aux = {"guide": guide} if decoder.get("name") == "mdm_guided" else None
+            kwargs = {"template": args.template, "agreement": False, "shard": False, "auxiliary": aux}
+            if key not in warmed:  # once per row and process: untimed
+                evaluate(model, tok, warmup, decoder, **kwargs)
+                warmed.add(key)
+            result = evaluate(model, tok, problems, decoder, progress=True, **kwargs)
+            records[key] = sorted(result.records, key=lambda r: r["index"])
+        return records
 
-    fmt = lambda v, spec: "—" if v is None else format(v, spec)
-    header = ("| decoder | accuracy | = base AR greedy | TPF | TPF (DLM) | DLM fwd / sample | guide fwd / sample | "
-              "guide acceptance | TPS | TPS / MDM baseline | TPS / base AR |\n|---|---|---|---|---|---|---|---|---|---|---|")
-    lines = [header] + [
-        f"| {r['decoder']} | {r['accuracy']:.1%} | {fmt(r['identical_to_base_ar'], '.1%')} | {r['tpf']:.2f} | "
-        f"{fmt(r['tpf_dlm'], '.2f')} | "
-        f"{fmt(r['dlm_forwards_per_sample'], '.1f')} | "
-        f"{fmt(r['guide_forwards_per_sample'], '.1f')} | {fmt(r['guide_acceptance'], '.2f')} | {r['tps']:.1f} | {fmt(r['tps_vs_mdm_baseline'], '.2f')}x | "
-        f"{fmt(r['tps_vs_base_ar'], '.2f')}x |"
-        for r in table
-    ]
-    md = "\n".join(lines)
-    print(md)
-    split = "test split" if args.split == "test" else "validation split"
-    write_results(args.out, invoked_command("pardec.benchmarks.mdm_flashdlm", argv),
-                  f"{len(eval_rows)} problems ({split}), generation length {args.gen_length}, "
-                  f"block {args.block_size}, batch 1, {args.dtype} on {args.device} ({args.threads} threads), "
-                  f"template {args.template}.\n\n{md}", table)
+    def write_table(records: dict[str, list[dict]], done: int) -> None:
+        ar_records = records.get("ar")
+        table = [table_row(key, label, which, decoder, records[key], models[which][1], ar_records)
+                 for key, label, which, decoder in selected]
+        by_key = {r["key"]: r for r in table}
+        for r in table:
+            r["tps_vs_mdm_baseline"] = r["tps"] / by_key["lowconf1"]["tps"] if "lowconf1" in by_key else None
+            r["tps_vs_base_ar"] = r["tps"] / by_key["ar"]["tps"] if "ar" in by_key else None
+        md = table_md(table)
+        print(md, flush=True)
+        split = "test split" if args.split == "test" else "validation split"
+        progress = (f" (chunks of {args.chunk_size}, every row on each chunk in turn, in {args.chunk_dir})"
+                    if args.chunk_dir else "")
+        if done < len(eval_rows):
+            progress += f"; **{done} of {len(eval_rows)} problems done**: run the same command again to go on"
+        write_results(args.out, invoked_command("pardec.benchmarks.mdm_flashdlm", argv),
+                      f"{done} problems ({split}){progress}, generation length {args.gen_length}, "
+                      f"block {args.block_size}, batch 1, {args.dtype} on {args.device} ({args.threads} threads), "
+                      f"template {args.template}.\n\n{md}", table)
+
+    if args.chunk_dir is None:
+        write_table(run_chunk(eval_rows), len(eval_rows))
+        return
+    fingerprint = {"benchmark": "mdm_flashdlm", "base": args.base, "mdm": args.mdm, "split": args.split,
+                   "gen_length": args.gen_length, "block_size": args.block_size, "template": args.template,
+                   "device": args.device, "dtype": args.dtype, "threads": args.threads,
+                   "rows": [[key, decoder] for key, _, _, decoder in selected]}
+    run_in_chunks(eval_rows, args.chunk_size, args.chunk_dir, fingerprint, run_chunk, on_chunk=write_table)
 
 
 if __name__ == "__main__":

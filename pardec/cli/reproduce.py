@@ -123,11 +123,15 @@ REAL_STEPS: tuple[Step, ...] = (
           (SMOLLM2, REAL_JACOBI), module="pardec.benchmarks.jacobi_forcing"),
     train("smollm2_mdm"),
     # Sized for the 2-core CPU, where the LLaDA baseline, WINO, Saber and COVER run one full-sequence forward
-    # (about 0.5 s) per step: the FlashDLM table on the first 30 test problems without the two-tokens-per-step
-    # row (about 30 min), the COVER table on the first 15 (tau_draft on 5 val problems; about 35 min).
-    bench("cpu_mdm_flashdlm", ["--base", f"{SMOLLM2}/hf", "--mdm", "runs/smollm2_mdm/hf", "--num-samples", "30",
-                               "--rows", "ar,lowconf1,threshold,fc_refresh,fc_freeze,fc_guided_strict,"
-                               "fc_guided_relaxed,guided_shifted", "--threads", "2", "--out", f"{REAL}/cpu_mdm_flashdlm"],
+    # (about 0.5 s) per step. The FlashDLM table on all 200 test problems, in chunks of 10 (every row on each
+    # chunk in turn; a stopped run goes on from its last finished chunk): AR, the baseline, Fast-dLLM, FreeCache
+    # (refresh), FreeCache + guided (assisted, strict) and guided shifted, about 45 s per problem (2.5 h); the
+    # other rows (two tokens per step, freeze-at-last-step, relaxed) are in the GPU and embedded tables. The
+    # COVER table on the first 15 (tau_draft on 5 val problems; about 35 min).
+    bench("cpu_mdm_flashdlm", ["--base", f"{SMOLLM2}/hf", "--mdm", "runs/smollm2_mdm/hf", "--num-samples", "200",
+                               "--rows", "ar,lowconf1,threshold,fc_refresh,fc_guided_strict,guided_shifted",
+                               "--chunk-dir", "runs/reproduce_real/chunks/cpu_mdm_flashdlm", "--chunk-size", "10",
+                               "--threads", "2", "--out", f"{REAL}/cpu_mdm_flashdlm"],
           (SMOLLM2, "runs/smollm2_mdm"), module="pardec.benchmarks.mdm_flashdlm"),
     bench("cpu_cover", ["--mdm", "runs/smollm2_mdm/hf", "--num-samples", "15", "--num-validation", "5",
                         "--threads", "2", "--out", f"{REAL}/cpu_cover"], ("runs/smollm2_mdm",),

@@ -1,0 +1,77 @@
+"""A long benchmark run in chunks of problems that survives being stopped (used by ``mdm_flashdlm``).
+
+On two CPU cores the MDM decoders cost 15-25 s per problem, so one table on the 200 test problems
+takes hours. With ``--chunk-dir DIR`` the benchmark decodes its problems ``--chunk-size`` at a
+time, every row of the table back to back on each chunk (so each row's time comes from the same
+stretch of the machine's life as the others'), and saves each finished chunk's per-row records in
+``DIR/<first>-<end>.json``. Run again with the same arguments, it reads the chunks already there
+and decodes only the rest; stopping it loses at most the chunk under way. The table is computed
+from the records of all chunks (TPS = all committed tokens / all decoding time of the row), so a
+table pooled from chunks that ran in different processes is the same computation as one run's.
+
+Each chunk file records what made it (``fingerprint``: the rows' decoder configs, checkpoints,
+split, ...); a chunk whose fingerprint differs from this run's is refused, naming the file, rather
+than pooled with records of another setting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+Records = dict[str, list[dict]]  # row key -> one record per problem (pardec.inference.evaluate's records)
+
+
+def chunk_bounds(num_problems: int, chunk_size: int) -> list[tuple[int, int]]:
+    """``[(first, end), ...]`` covering ``range(num_problems)`` in order, ``chunk_size`` at a time."""
+    if chunk_size < 1:
+        raise ValueError(f"--chunk-size must be >= 1, got {chunk_size}")
+    return [(first, min(first + chunk_size, num_problems)) for first in range(0, num_problems, chunk_size)]
+
+
+def run_in_chunks(problems, chunk_size: int, chunk_dir: str | Path, fingerprint: dict[str, Any],
+                  run_chunk: Callable[[Any], Records], on_chunk: Callable[[Records, int], None] | None = None,
+                  ) -> Records:
+    """Every row's records over ``problems`` (a ``datasets.Dataset``), decoded by ``run_chunk(subset)``
+    one chunk at a time, chunks found in ``chunk_dir`` read instead of decoded; records keep their
+    problem index (``index``) across chunks. ``on_chunk(records so far, problems done)`` runs after
+    each chunk (decoded or read), e.g. to write the table so far."""
+    chunk_dir = Path(chunk_dir)
+    chunk_dir.mkdir(parents=True, exist_ok=True)
+    pooled: Records = {}
+    for first, end in chunk_bounds(len(problems), chunk_size):
+        path = chunk_dir / f"{first:04d}-{end:04d}.json"
+        if path.exists():
+            rows = read_chunk(path, fingerprint)
+        else:
+            rows = run_chunk(problems.select(range(first, end)))
+            for records in rows.values():
+                for r in records:
+                    r["index"] += first  # evaluate numbers a subset's problems from 0
+            write_chunk(path, fingerprint, rows)
+        for key, records in rows.items():
+            pooled.setdefault(key, []).extend(records)
+        if on_chunk is not None:
+            on_chunk(pooled, end)
+    return pooled
+
+
+def read_chunk(path: Path, fingerprint: dict[str, Any]) -> Records:
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"chunk file {path} is not valid JSON ({err}); delete it to decode that chunk again") from err
+    if saved.get("fingerprint") != json.loads(json.dumps(fingerprint)):  # as saved: tuples read back as lists
+        raise ValueError(f"chunk file {path} was made by another setting ({saved.get('fingerprint')}), not this "
+                         f"run's ({fingerprint}): use another --chunk-dir, or delete the chunks to start over")
+    return saved["rows"]
+
+
+def write_chunk(path: Path, fingerprint: dict[str, Any], rows: Records) -> None:
+    """Atomically: a stopped run leaves the chunk whole or absent, never half-written."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"fingerprint": fingerprint, "rows": rows}))
+    os.replace(tmp, path)

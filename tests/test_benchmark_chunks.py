@@ -1,0 +1,111 @@
+"""A benchmark decoded in chunks (pardec.benchmarks.chunks): the pooled records equal one run's, a
+rerun decodes only the missing chunks, a stopped run keeps its finished chunks and says how far it
+got, and chunks of another setting or a broken file are refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+
+from pardec.benchmarks.chunks import chunk_bounds, run_in_chunks
+from tests.test_mdm_benchmarks_real_flags import chat_mdm_export
+from tests.conftest import save_chat_checkpoint
+
+
+def problems(n: int) -> datasets.Dataset:
+    return datasets.Dataset.from_list([{"prompt": f"p{i}"} for i in range(n)])
+
+
+def fake_rows(subset) -> dict[str, list[dict]]:
+    """Two rows whose records remember which prompt they decoded, numbered from 0 as evaluate does."""
+    return {key: [{"index": i, "prompt": row["prompt"], "row": key} for i, row in enumerate(subset)]
+            for key in ("a", "b")}
+
+
+def test_chunk_bounds_cover_every_problem_once():
+    for n, size in ((5, 2), (4, 4), (1, 3), (7, 1)):
+        bounds = chunk_bounds(n, size)
+        covered = [i for first, end in bounds for i in range(first, end)]
+        assert covered == list(range(n)) and all(end - first <= size for first, end in bounds)
+    with pytest.raises(ValueError, match="--chunk-size"):
+        chunk_bounds(3, 0)
+
+
+def test_chunks_pool_to_one_run_and_resume(tmp_path):
+    whole = fake_rows(problems(5))
+    pooled = run_in_chunks(problems(5), 2, tmp_path, {"k": 1}, fake_rows)
+    assert pooled == whole  # problem indices shifted back to the full list's
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0000-0002.json", "0002-0004.json", "0004-0005.json"]
+
+    def must_not_run(subset):
+        raise AssertionError("every chunk is saved: nothing to decode")
+
+    assert run_in_chunks(problems(5), 2, tmp_path, {"k": 1}, must_not_run) == whole
+
+    (tmp_path / "0002-0004.json").unlink()
+    decoded = []
+    resumed = run_in_chunks(problems(5), 2, tmp_path, {"k": 1},
+                            lambda subset: decoded.append(subset["prompt"]) or fake_rows(subset))
+    assert decoded == [["p2", "p3"]] and resumed == whole
+
+
+def test_a_stopped_run_keeps_finished_chunks_and_reports_progress(tmp_path):
+    seen = []
+
+    def stops_at_second_chunk(subset):
+        if subset[0]["prompt"] == "p2":
+            raise KeyboardInterrupt
+        return fake_rows(subset)
+
+    with pytest.raises(KeyboardInterrupt):
+        run_in_chunks(problems(5), 2, tmp_path, {"k": 1}, stops_at_second_chunk,
+                      on_chunk=lambda records, done: seen.append((len(records["a"]), done)))
+    assert seen == [(2, 2)]
+    assert [p.name for p in tmp_path.iterdir()] == ["0000-0002.json"]  # no half-written chunk
+
+
+def test_chunks_of_another_setting_or_broken_are_refused(tmp_path):
+    run_in_chunks(problems(2), 1, tmp_path, {"rows": ("a", 1)}, fake_rows)
+    assert run_in_chunks(problems(2), 1, tmp_path, {"rows": ("a", 1)}, fake_rows) == fake_rows(problems(2))
+    with pytest.raises(ValueError, match="0000-0001.json.*another setting"):
+        run_in_chunks(problems(2), 1, tmp_path, {"rows": ("a", 2)}, fake_rows)
+    (tmp_path / "0000-0001.json").write_text("{not json")
+    with pytest.raises(ValueError, match="0000-0001.json is not valid JSON"):
+        run_in_chunks(problems(2), 1, tmp_path, {"rows": ("a", 1)}, fake_rows)
+
+
+def test_mdm_flashdlm_in_chunks_equals_one_run(tmp_path, monkeypatch):
+    """Everything but time is the same pooled from chunks of one problem as decoded in one go; a run
+    stopped after its first chunk leaves a table of that chunk saying so, and a rerun finishes it."""
+    import pardec.benchmarks.mdm_flashdlm as bench
+
+    base, mdm = save_chat_checkpoint(tmp_path / "base"), chat_mdm_export(tmp_path / "mdm")
+    args = ["--base", str(base), "--mdm", str(mdm), "--num-samples", "3", "--gen-length", "8", "--block-size", "4",
+            "--rows", "ar,lowconf1,guided_shifted", "--template", "chat", "--threads", "1"]
+    bench.main([*args, "--out", str(tmp_path / "one")])
+
+    evaluate, calls = bench.evaluate, []
+
+    def stop_on_second_chunk(model, tok, rows, decoder, **kwargs):
+        calls.append(len(rows))
+        if len(calls) > 6:  # 3 warm-ups and 3 rows of the first chunk, then the second chunk's first row
+            raise KeyboardInterrupt
+        return evaluate(model, tok, rows, decoder, **kwargs)
+
+    monkeypatch.setattr(bench, "evaluate", stop_on_second_chunk)
+    chunked = [*args, "--chunk-dir", str(tmp_path / "chunks"), "--chunk-size", "1", "--out", str(tmp_path / "c")]
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(chunked)
+    assert "1 of 3 problems done" in (tmp_path / "c.md").read_text()
+    assert [r["num_samples"] for r in json.loads((tmp_path / "c.json").read_text())] == [1, 1, 1]
+
+    monkeypatch.setattr(bench, "evaluate", evaluate)
+    bench.main(chunked)
+    one, pooled = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("one", "c"))
+    assert "problems done" not in (tmp_path / "c.md").read_text()
+    timeless = ("tps", "tps_vs_mdm_baseline", "tps_vs_base_ar")
+    assert [{k: v for k, v in r.items() if k not in timeless} for r in pooled] == \
+           [{k: v for k, v in r.items() if k not in timeless} for r in one]
+    assert pooled[2]["identical_to_base_ar"] == 1.0  # guided shifted = base AR greedy, pooled over chunks
