@@ -109,3 +109,23 @@ def test_mdm_flashdlm_in_chunks_equals_one_run(tmp_path, monkeypatch):
     assert [{k: v for k, v in r.items() if k not in timeless} for r in pooled] == \
            [{k: v for k, v in r.items() if k not in timeless} for r in one]
     assert pooled[2]["identical_to_base_ar"] == 1.0  # guided shifted = base AR greedy, pooled over chunks
+
+
+def test_cover_in_chunks_with_base_equals_one_run(tmp_path):
+    """COVER's test rows pooled from chunks of one problem equal one run's, time aside; with --base the
+    AR greedy row comes first and every row has its TPS / base AR."""
+    from pardec.benchmarks.cover import AR_LABEL, main
+
+    base, mdm = save_chat_checkpoint(tmp_path / "base"), chat_mdm_export(tmp_path / "mdm")
+    args = ["--mdm", str(mdm), "--base", str(base), "--num-samples", "2", "--num-validation", "1",
+            "--max-new-tokens", "8", "--block-size", "4", "--taus", "0.9", "--template", "chat", "--threads", "1"]
+    main([*args, "--out", str(tmp_path / "one")])
+    main([*args, "--chunk-dir", str(tmp_path / "chunks"), "--chunk-size", "1", "--out", str(tmp_path / "c")])
+    one, pooled = (json.loads((tmp_path / f"{name}.json").read_text())["test"] for name in ("one", "c"))
+    assert [r["decoder"] for r in one][:2] == [AR_LABEL, "LLaDA low-confidence, 1 token/step (baseline)"]
+    assert one[0]["tps_vs_base_ar"] == 1.0 and all(r["tps_vs_base_ar"] > 0 for r in one)
+    timeless = ("tps", "tps_ratio", "tps_vs_base_ar", "seconds")
+    assert [{k: v for k, v in r.items() if k not in timeless} for r in pooled] == \
+           [{k: v for k, v in r.items() if k not in timeless} for r in one]
+    assert sorted(p.name for p in (tmp_path / "chunks").iterdir()) == ["0000-0001.json", "0001-0002.json"]
+    assert "TPS / base AR" in (tmp_path / "c.md").read_text()

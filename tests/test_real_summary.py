@@ -57,7 +57,9 @@ def test_a_claim_below_100_percent_is_not_verified(folders, tmp_path):
     assert [r.source for r in missing] == ["cpu_risd", "cpu_risd", "cpu_idlm", "cpu_jacobi_forcing",
                                            "cpu_jacobi_forcing", "cpu_refusion", *["cpu_mdm_flashdlm"] * 5,
                                            *["cpu_cover"] * 3, "gpu_idlm_isd_graphs_h200",
-                                           "gpu_idlm_isd_graphs_h200", *["gpu_mdm_flashdlm_h200"] * 5]
+                                           "gpu_idlm_isd_graphs_h200", *["gpu_mdm_flashdlm_h200"] * 5,
+                                           *["gpu_mdm_flashdlm_bidir_h200"] * 4, *["gpu_cover_bidir_h200"] * 3,
+                                           *["gpu_cover_block32_h200"] * 3]
 
 
 def test_no_results_and_a_missing_row_are_named(folders, tmp_path):
@@ -131,3 +133,19 @@ def test_mdm_attention_chosen_on_val(tmp_path, block, bidir, chosen):
     text = real_summary.mdm_attention_choice(tmp_path)
     assert f"Chosen: **{chosen}" in text and "15 val problems" in text
     assert ("not run yet" in text) == (chosen == "bidirectional")
+
+
+def test_cover_rows_take_tps_over_base_ar_when_the_table_has_an_ar_row(folders):
+    """A COVER table run with --base has TPS / base AR per row (the summary shows it); one without has
+    none ("—"), never a ratio to another run's AR."""
+    results, runs = folders
+    test = [{"decoder": d, "accuracy": 0.05, "tpf": 2.0, "num_samples": 20, "tps": 5.0} for d in
+            ("WINO 0.6 / 0.9", "Saber n=2 / mu=8", "COVER tau=0.7", "COVER tau=0.7 without override")]
+    (results / "gpu_cover_block32_h200.json").write_text(json.dumps({"test": test}))
+    (results / "gpu_cover_bidir_h200.json").write_text(json.dumps(
+        {"test": [{**r, "tps_vs_base_ar": 0.5 + k} for k, r in enumerate(test)]}))
+    table, _ = real_summary.build(results, {})
+    ratios = {(r["source"], r["short"]): r["tps_ratio"] for r in table}
+    assert ratios == {("gpu_cover_block32_h200", "WINO"): None, ("gpu_cover_block32_h200", "Saber"): None,
+                      ("gpu_cover_block32_h200", "COVER"): None, ("gpu_cover_bidir_h200", "WINO"): 0.5,
+                      ("gpu_cover_bidir_h200", "Saber"): 1.5, ("gpu_cover_bidir_h200", "COVER"): 2.5}

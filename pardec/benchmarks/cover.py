@@ -13,8 +13,14 @@ validation too; the most accurate tau when none is: the operating point the issu
 steps at accuracy no lower" asks about). Then every row runs on the held-out test problems. The
 validation problems are the generator's ``val`` split (disjoint from train and test).
 
+``--base``: the AR base the MDM came from, whose AR greedy row comes first (TPS / base AR within
+the run). ``--chunk-dir DIR``: the test rows decoded ``--chunk-size`` problems at a time, every row
+on each chunk in turn, each chunk saved in DIR and skipped when the same command runs again (the
+validation sweep runs first each time); the table, of the problems done so far, is rewritten after
+every chunk (``pardec.benchmarks.chunks``).
+
 Columns: accuracy (exact ``#### n``), steps per sample (= forwards), TPF (committed tokens /
-forwards), TPS and TPS / baseline, revisions per sample (COVER:
+forwards), TPS, TPS / baseline and (with ``--base``) TPS / base AR, revisions per sample (COVER:
 ReMask + Replace; WINO, Saber: ReMask), flip-flops per sample, effective-revision ratio (revisions
 whose position ends with a different token, pooled). Writes ``benchmarks/results/cover.{md,json}``.
 """
@@ -23,17 +29,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from pathlib import Path
 
 import torch
 
+from pardec.benchmarks.chunks import run_in_chunks
 from pardec.benchmarks.common import RESULTS, held_out_rows, invoked_command, validation_rows, write_results
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.mdm_common import default_block_size, mdm_info
+from pardec.inference.decoders.registry import build_decoder
 from pardec.inference.evaluate import evaluate
+from pardec.inference.metrics import compute_metrics
 
 SELECT_RULES = ("accuracy", "baselines")
+AR_LABEL = "AR greedy (base)"
+BASELINE_LABEL = "LLaDA low-confidence, 1 token/step (baseline)"
 REVOCABLE_BASELINES = (
     ("WINO 0.6 / 0.9", {"name": "wino", "threshold": 0.6, "threshold_back": 0.9}),
     ("Saber n=2 / mu=8", {"name": "saber", "min_tokens": 2, "remask_divisor": 8}),
@@ -52,6 +61,8 @@ def choose_tau(tuning: list[dict], rule: str, baseline_accuracy: float | None = 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     p.add_argument("--mdm", required=True, help="MDM export (recipe=mdm)")
+    p.add_argument("--base", default=None, help="the AR base the MDM was converted from: adds its AR greedy row "
+                   "(TPS / base AR within the run)")
     p.add_argument("--num-samples", type=int, default=200)
     p.add_argument("--num-validation", type=int, default=200)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -65,35 +76,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--chunk-dir", default=None,
+                   help="decode the test rows in chunks of problems saved here, resumed when run again "
+                        "(pardec.benchmarks.chunks)")
+    p.add_argument("--chunk-size", type=int, default=10, help="problems per chunk (with --chunk-dir)")
     p.add_argument("--out", default=str(RESULTS / "cover"))
     return p.parse_args(argv)
 
 
+def metrics_row(records: list[dict], decoder: dict, tok, is_ar: bool = False) -> dict:
+    """A row's columns from its records (every problem's): steps = the decoder's steps, else its forwards."""
+    m = {**compute_metrics(records, is_ar), **build_decoder(decoder, tok).summarize(records)}
+    return {
+        "accuracy": m["accuracy"], "steps_per_sample": m.get("steps_per_sample", m["nfe_per_sample"]),
+        "tpf": m["tpf"], "tps": m["tps"], "num_samples": m["num_samples"],
+        "revisions_per_sample": m.get("revisions_per_sample"), "flip_flops_per_sample": m.get("flip_flops_per_sample"),
+        "effective_revision_ratio": m.get("effective_revision_ratio"), "seconds": m["decode_time_s"],
+    }
+
+
+def decode(model, tok, problems, decoder: dict, template: str = "auto") -> list[dict]:
+    """``problems`` decoded by ``decoder``: the records, in problem order."""
+    result = evaluate(model, tok, problems, decoder, template=template, agreement=False, shard=False)
+    return sorted(result.records, key=lambda r: r["index"])
+
+
 def run(model, tok, rows, decoder: dict, warmup, template: str = "auto") -> dict:
     evaluate(model, tok, warmup, decoder, template=template, agreement=False, shard=False)  # untimed warm-up
-    start = time.time()
-    result = evaluate(model, tok, rows, decoder, template=template, agreement=False, shard=False)
-    m = result.metrics
-    steps = m.get("steps_per_sample", m["dlm_forwards_per_sample"])
-    return {
-        "accuracy": m["accuracy"], "steps_per_sample": steps, "tpf": m["tpf"], "tps": m["tps"],
-        "num_samples": m["num_samples"],
-        "revisions_per_sample": m.get("revisions_per_sample"), "flip_flops_per_sample": m.get("flip_flops_per_sample"),
-        "effective_revision_ratio": m.get("effective_revision_ratio"), "seconds": time.time() - start,
-    }
+    return metrics_row(decode(model, tok, rows, decoder, template), decoder, tok)
 
 
 def table_md(table: list[dict]) -> str:
     def fmt(v, spec):
         return "—" if v is None else format(v, spec)
 
-    header = ("| decoder | accuracy | steps/sample | TPF | TPS | TPS / baseline | revisions/sample | flip-flops/sample "
-              "| eff. revision ratio |")
-    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
+    with_ar = any(r.get("tps_vs_base_ar") is not None for r in table)
+    header = ("| decoder | accuracy | steps/sample | TPF | TPS | TPS / baseline |" + (" TPS / base AR |" if with_ar else "")
+              + " revisions/sample | flip-flops/sample | eff. revision ratio |")
+    lines = [header, "|---" * (9 + with_ar) + "|"]
     for r in table:
         ratio = r["effective_revision_ratio"] if r["revisions_per_sample"] else None  # 0/0: no revisions
+        ar = f" {fmt(r.get('tps_vs_base_ar'), '.2f')}{'x' if r.get('tps_vs_base_ar') is not None else ''} |" \
+            if with_ar else ""
         lines.append(f"| {r['decoder']} | {r['accuracy']:.1%} | {r['steps_per_sample']:.2f} | {r['tpf']:.2f} | "
-                     f"{r['tps']:.1f} | {r['tps_ratio']:.2f}x | {fmt(r['revisions_per_sample'], '.2f')} | "
+                     f"{r['tps']:.1f} | {r['tps_ratio']:.2f}x |{ar} {fmt(r['revisions_per_sample'], '.2f')} | "
                      f"{fmt(r['flip_flops_per_sample'], '.2f')} | {fmt(ratio, '.1%')} |")
     return "\n".join(lines)
 
@@ -102,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tok = load_checkpoint(args.mdm, device=args.device, dtype=args.dtype)
+    base = load_checkpoint(args.base, device=args.device, dtype=args.dtype) if args.base else None
     if args.block_size is None:
         args.block_size = default_block_size(mdm_info(model))
     test = held_out_rows(args.num_samples)
@@ -124,38 +151,65 @@ def main(argv: list[str] | None = None) -> None:
     baseline_accuracy = max((r["accuracy"] for r in baselines_val), default=None)
     tau = choose_tau(tuning, args.select, baseline_accuracy)["tau_draft"]
 
-    rows = [
-        ("LLaDA low-confidence, 1 token/step (baseline)", {"name": "mdm_lowconf"}),
+    ar = [(AR_LABEL, {"name": "ar", "max_new_tokens": args.max_new_tokens, "batch_size": 1})] if base else []
+    rows = [(label, decoder if label == AR_LABEL else {**decoder, **common}) for label, decoder in [
+        *ar,
+        (BASELINE_LABEL, {"name": "mdm_lowconf"}),
         ("Fast-dLLM threshold 0.9 (prefix cache)", {"name": "mdm_threshold", "threshold": 0.9}),
         *REVOCABLE_BASELINES,
         (f"COVER tau={tau}", {"name": "cover", "draft_threshold": tau}),
         (f"COVER tau={tau}, seeds fed masked (paper)", {"name": "cover", "draft_threshold": tau, "seed_input": "mask"}),
         (f"COVER tau={tau} without override", {"name": "cover", "draft_threshold": tau, "override": False}),
-    ]
-    table = []
-    for label, decoder in rows:
-        row = {"decoder": label, "config": decoder,
-               **run(model, tok, test, {**decoder, **common}, warmup, args.template)}
-        row["tps_ratio"] = row["tps"] / table[0]["tps"] if table else 1.0
-        table.append(row)
-        print(json.dumps(row), flush=True)
+    ]]
+    warmed = set()
 
-    md = table_md(table)
-    tune_md = "\n".join(["| tau_draft | accuracy | steps/sample | eff. revision ratio |", "|---|---|---|---|"] + [
-        f"| {r['tau_draft']} | {r['accuracy']:.1%} | {r['steps_per_sample']:.2f} | {r['effective_revision_ratio']:.1%} |"
-        for r in tuning])
-    if baselines_val:
-        tune_md += "\n\nRevocable baselines on validation (the bar for --select baselines):\n\n" + "\n".join(
-            ["| decoder | accuracy | steps/sample |", "|---|---|---|"]
-            + [f"| {r['decoder']} | {r['accuracy']:.1%} | {r['steps_per_sample']:.2f} |" for r in baselines_val])
-    print(md)
-    write_results(args.out, invoked_command("pardec.benchmarks.cover", argv),
-                  f"Checkpoint: {args.mdm}. Test: the first {args.num_samples} held-out problems; COVER's tau_draft "
-                  f"tuned on the first {args.num_validation} problems of the generator's val split. Block "
-                  f"{args.block_size}, {args.max_new_tokens} new tokens, batch 1, {args.dtype} on {args.device} "
-                  f"({args.threads} threads), template {args.template}.\n\nValidation (COVER):\n\n"
-                  f"{tune_md}\n\nTest:\n\n{md}",
-                  {"validation": tuning, "validation_baselines": baselines_val, "test": table})
+    def run_chunk(problems) -> dict[str, list[dict]]:
+        """Every test row on ``problems``, one after the other."""
+        records = {}
+        for label, decoder in rows:
+            which, which_tok = base if label == AR_LABEL else (model, tok)
+            if label not in warmed:  # once per row and process: untimed
+                decode(which, which_tok, warmup, decoder, args.template)
+                warmed.add(label)
+            records[label] = decode(which, which_tok, problems, decoder, args.template)
+        return records
+
+    def write_table(records: dict[str, list[dict]], done: int) -> None:
+        table = [{"decoder": label, "config": {k: v for k, v in decoder.items() if k not in common},
+                  **metrics_row(records[label], decoder, base[1] if label == AR_LABEL else tok, label == AR_LABEL)}
+                 for label, decoder in rows]
+        by_label = {r["decoder"]: r for r in table}
+        for r in table:
+            r["tps_ratio"] = r["tps"] / by_label[BASELINE_LABEL]["tps"]
+            r["tps_vs_base_ar"] = r["tps"] / by_label[AR_LABEL]["tps"] if AR_LABEL in by_label else None
+        md = table_md(table)
+        tune_md = "\n".join(["| tau_draft | accuracy | steps/sample | eff. revision ratio |", "|---|---|---|---|"] + [
+            f"| {r['tau_draft']} | {r['accuracy']:.1%} | {r['steps_per_sample']:.2f} | {r['effective_revision_ratio']:.1%} |"
+            for r in tuning])
+        if baselines_val:
+            tune_md += "\n\nRevocable baselines on validation (the bar for --select baselines):\n\n" + "\n".join(
+                ["| decoder | accuracy | steps/sample |", "|---|---|---|"]
+                + [f"| {r['decoder']} | {r['accuracy']:.1%} | {r['steps_per_sample']:.2f} |" for r in baselines_val])
+        print(md, flush=True)
+        progress = (f" (chunks of {args.chunk_size}, every row on each chunk in turn, in {args.chunk_dir})"
+                    if args.chunk_dir else "")
+        if done < len(test):
+            progress += f"; **{done} of {len(test)} problems done**: run the same command again to go on"
+        write_results(args.out, invoked_command("pardec.benchmarks.cover", argv),
+                      f"Checkpoint: {args.mdm}{f' (AR row: {args.base})' if base else ''}. Test: the first {done} "
+                      f"held-out problems{progress}; COVER's tau_draft tuned on the first {args.num_validation} "
+                      f"problems of the generator's val split. Block {args.block_size}, {args.max_new_tokens} new "
+                      f"tokens, batch 1, {args.dtype} on {args.device} ({args.threads} threads), template "
+                      f"{args.template}.\n\nValidation (COVER):\n\n{tune_md}\n\nTest:\n\n{md}",
+                      {"validation": tuning, "validation_baselines": baselines_val, "test": table})
+
+    if args.chunk_dir is None:
+        write_table(run_chunk(test), len(test))
+        return
+    fingerprint = {"benchmark": "cover", "mdm": args.mdm, "base": args.base, "template": args.template,
+                   "device": args.device, "dtype": args.dtype, "threads": args.threads,
+                   "rows": [[label, decoder] for label, decoder in rows]}
+    run_in_chunks(test, args.chunk_size, args.chunk_dir, fingerprint, run_chunk, on_chunk=write_table)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,10 @@ MDM_FLASHDLM_ROWS = (  # (label in the mdm_flashdlm table, plot label, lossless 
     ("Guided (shifted, strict; = base AR greedy)", "guided (shifted)", "base"),
 )
 ISD = "idlm_isd"
+GPU_RUN_MDM_32 = ("PROBLEMS=20 IDLM=0 MDM=1 MDM_ATTENTION={attention} EVAL_SPLITS= MDM_TABLES='cover flashdlm' "
+                  "COVER_VAL=6 MDM_ROWS=ar,lowconf1,guided_shifted,fc_guided_strict,fc_refresh "
+                  "bash scripts/real_model_gpu.sh (docs/results/real_gpu.md)")
+COVER_ROWS = (("WINO 0.6 / 0.9", "WINO"), ("Saber n=2 / mu=8", "Saber"), (cover_chosen, "COVER"))
 
 
 def jacobi_chosen(kind: str) -> Callable[[dict], str]:
@@ -100,7 +104,7 @@ ROWS: tuple[RealRow, ...] = (
               "smollm2_mdm", lossless, MDM_CPU) for label, short, lossless in MDM_FLASHDLM_ROWS),
     *(RealRow("MDM", "MDM (block 2) on the CPU SFT base", CPU, "cpu_cover", "cover", label, short, "smollm2_mdm",
               None, COVER_CPU)
-      for label, short in (("WINO 0.6 / 0.9", "WINO"), ("Saber n=2 / mu=8", "Saber"), (cover_chosen, "COVER"))),
+      for label, short in COVER_ROWS),
     # The two GPU runs fine-tuned their own SFT base (same recipe, another machine): each row names its run's.
     RealRow("AR", "SmolLM2 SFT (GPU, H100 run)", H100, "gpu_risd_h100", ISD, "AR greedy (base)", "AR greedy",
             "smollm2_sft_gpu@h100", "base", GPU_RUN),
@@ -113,6 +117,15 @@ ROWS: tuple[RealRow, ...] = (
     # A later H200 session: its own SFT base (its wall time is in docs/results/real_gpu.md), eager decoding.
     *(RealRow("MDM", "MDM (block 2) on the H200 MDM run's SFT base", H200, "gpu_mdm_flashdlm_h200", "mdm_flashdlm",
               label, short, "smollm2_mdm_gpu@h200", lossless, GPU_RUN_MDM) for label, short, lossless in MDM_FLASHDLM_ROWS),
+    # A third H200 session: blocks of 32, bidirectional and block-causal, both on that session's SFT base (eager;
+    # Fast-dLLM is in the COVER tables, which have no AR row: TPS / base AR "—" there).
+    *(RealRow("MDM", "MDM (bidirectional, block 32) on the third H200 run's SFT base", H200,
+              "gpu_mdm_flashdlm_bidir_h200", "mdm_flashdlm", label, short, "smollm2_mdm_bidir_gpu@h200", lossless,
+              GPU_RUN_MDM_32.format(attention="bidir"))
+      for label, short, lossless in MDM_FLASHDLM_ROWS if short != "Fast-dLLM"),
+    *(RealRow("MDM", f"MDM ({name}, block 32) on the third H200 run's SFT base", H200, f"gpu_cover_{key}_h200", "cover",
+              label, short, f"smollm2_mdm_{key}_gpu@h200", None, GPU_RUN_MDM_32.format(attention=key))
+      for key, name in (("bidir", "bidirectional"), ("block32", "block-causal")) for label, short in COVER_ROWS),
 )
 
 

@@ -127,15 +127,17 @@ REAL_STEPS: tuple[Step, ...] = (
     # chunk in turn; a stopped run goes on from its last finished chunk): AR, the baseline, Fast-dLLM, FreeCache
     # (refresh), FreeCache + guided (assisted, strict) and guided shifted, about 45 s per problem (2.5 h); the
     # other rows (two tokens per step, freeze-at-last-step, relaxed) are in the GPU and embedded tables. The
-    # COVER table on the first 15 (tau_draft on 5 val problems; about 35 min).
+    # COVER table likewise, with the base's AR greedy row (TPS / base AR), tau_draft on 5 val problems (3 min,
+    # again at each restart), about 75 s per problem (4 h).
     bench("cpu_mdm_flashdlm", ["--base", f"{SMOLLM2}/hf", "--mdm", "runs/smollm2_mdm/hf", "--num-samples", "200",
                                "--rows", "ar,lowconf1,threshold,fc_refresh,fc_guided_strict,guided_shifted",
                                "--chunk-dir", "runs/reproduce_real/chunks/cpu_mdm_flashdlm", "--chunk-size", "10",
                                "--threads", "2", "--out", f"{REAL}/cpu_mdm_flashdlm"],
           (SMOLLM2, "runs/smollm2_mdm"), module="pardec.benchmarks.mdm_flashdlm"),
-    bench("cpu_cover", ["--mdm", "runs/smollm2_mdm/hf", "--num-samples", "15", "--num-validation", "5",
-                        "--threads", "2", "--out", f"{REAL}/cpu_cover"], ("runs/smollm2_mdm",),
-          module="pardec.benchmarks.cover"),
+    bench("cpu_cover", ["--mdm", "runs/smollm2_mdm/hf", "--base", f"{SMOLLM2}/hf", "--num-samples", "200",
+                        "--num-validation", "5", "--chunk-dir", "runs/reproduce_real/chunks/cpu_cover",
+                        "--chunk-size", "10", "--threads", "2", "--out", f"{REAL}/cpu_cover"],
+          (SMOLLM2, "runs/smollm2_mdm"), module="pardec.benchmarks.cover"),
     # Block-causal (smollm2_mdm) against bidirectional (smollm2_mdm_bidir) attention, chosen on val: the
     # same conversion budget, each decoded in its own block (2 and 32), the LLaDA baseline and Fast-dLLM
     # on the first 15 val problems (about 10 min each).
