@@ -1,5 +1,5 @@
 """Decode steps (pardec.inference.decoders.decode_steps): the static-cache steps that CUDA graphs
-replay compute what the eager DynamicCache steps compute, and the AR / ISD decoders with
+replay compute what the eager DynamicCache steps compute, and the AR, ISD and Jacobi decoders with
 ``cuda_graphs`` decode the same tokens as without (on CPU the static steps run eagerly; the graph
 capture itself is checked by the CUDA tests)."""
 
@@ -83,6 +83,32 @@ def test_isd_with_cuda_graphs_stops_at_eos():
     assert got.tokens == full[: full.index(full[5]) + 1] and got.hit_eos
 
 
+def jacobi(**overrides):
+    return build_decoder({"name": "jacobi", "max_new_tokens": 16, **overrides}, tokenizer=None)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("kind", ["random", "parrot"])
+def test_jacobi_with_cuda_graphs_decodes_as_without(arch, kind):
+    """Jacobi over static steps (every block width its own step) equals Jacobi over dynamic steps
+    and AR greedy, token for token, with the same forwards; one decoder serves every prompt."""
+    model = MODELS[kind](arch)
+    for block_size, draft_init in ((3, "context"), (5, "repeat")):
+        static_decoder = jacobi(block_size=block_size, draft_init=draft_init, cuda_graphs=True)
+        for prompt in PROMPTS:
+            got = static_decoder.decode_one(model, prompt, NO_EOS, 7)
+            expected = jacobi(block_size=block_size, draft_init=draft_init).decode_one(model, prompt, NO_EOS, 7)
+            assert got.tokens == expected.tokens == ar_greedy(model, prompt), (block_size, prompt)
+            assert got.forwards == expected.forwards and got.stats == expected.stats
+
+
+def test_jacobi_with_cuda_graphs_stops_at_eos():
+    model = MODELS["parrot"]("llama")
+    full = ar_greedy(model, PROMPTS[2])
+    got = jacobi(block_size=4, cuda_graphs=True).decode_one(model, PROMPTS[2], {full[6]}, 0)
+    assert got.tokens == full[: full.index(full[6]) + 1] and got.hit_eos
+
+
 @pytest.mark.parametrize("greedy", [True, False])
 def test_ar_with_cuda_graphs_decodes_as_without(greedy):
     model = random_lm("llama")
@@ -127,7 +153,7 @@ def test_steps_pool_reuses_the_static_cache_until_a_longer_one_is_needed():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graph_replays_equal_eager_static_steps_and_isd_equals_ar_on_cuda():
     """Captured steps replay the eager kernels: the same logits as the eager static step, and ISD
-    with graphs still reproduces AR greedy (fp32)."""
+    and Jacobi with graphs still reproduce AR greedy (fp32)."""
     model = MODELS["parrot"]("qwen3").to("cuda")
     masks = StepMasks(model.dtype, "cuda")
     eager, graphed = StaticSteps(model, 64, graphs=False), StaticSteps(model, 64, graphs=True)
@@ -142,3 +168,7 @@ def test_graph_replays_equal_eager_static_steps_and_isd_equals_ar_on_cuda():
         for prompt in PROMPTS:
             got = isd(stride=stride, max_new_tokens=40, cuda_graphs=True).decode_one(model, prompt, NO_EOS, 0)
             assert got.tokens == ar_greedy(model, prompt, 40), (stride, prompt)
+    for block_size in (3, 8):
+        for prompt in PROMPTS:
+            got = jacobi(block_size=block_size, max_new_tokens=40, cuda_graphs=True).decode_one(model, prompt, NO_EOS, 0)
+            assert got.tokens == ar_greedy(model, prompt, 40), (block_size, prompt)

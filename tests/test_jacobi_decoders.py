@@ -16,8 +16,9 @@ from transformers import DynamicCache, Qwen3Config
 
 from pardec.common.errors import ConfigError
 from pardec.inference.decoders import multiblock
-from pardec.inference.decoders.jacobi import init_draft, prefill_prompt
-from pardec.inference.decoders.multiblock import Block, BlockChain, Commit, NgramPool, forward_branches, keep_cache_entries
+from pardec.inference.decoders.jacobi import init_draft
+from pardec.inference.decoders.multiblock import (Block, BlockChain, Commit, NgramPool, forward_branches,
+                                                  keep_cache_entries, prefill_prompt)
 from pardec.inference.decoders.registry import build_decoder, decoder_config
 from pardec.masks.core import additive_mask
 from tests.conftest import tiny_model
@@ -161,6 +162,10 @@ class RuleLM(torch.nn.Module):
         self.config._attn_implementation = "eager"
         self.rule = rule
         self.weight = torch.nn.Parameter(torch.zeros(1))  # device / dtype probe only
+
+    @property
+    def dtype(self) -> torch.dtype:  # as a PreTrainedModel has (the decoders build masks in it)
+        return self.weight.dtype
 
     def forward(self, input_ids, position_ids, past_key_values, attention_mask=None, use_cache=True, logits_to_keep=0):
         cached = past_key_values.get_seq_length()

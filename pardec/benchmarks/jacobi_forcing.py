@@ -125,6 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-bound", action="store_true", help="skip the TPF · t(1)/t(n) bound")
     p.add_argument("--bound-cache", type=int, default=128, help="KV cache length of the bound's forwards")
     p.add_argument("--bound-repeats", type=int, default=30)
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="AR and Jacobi rows decode with cuda_graphs=true (static cache, each step width a CUDA "
+                        "graph); multi-block stays eager (its cache keeps non-contiguous entries)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=2)
@@ -155,12 +158,12 @@ def jacobi_label(n: int, which: str, trained: int | None) -> str:
 
 
 def ar_config(args) -> dict:
-    return {"name": "ar", "max_new_tokens": args.max_new_tokens, "batch_size": 1}
+    return {"name": "ar", "max_new_tokens": args.max_new_tokens, "batch_size": 1, "cuda_graphs": args.cuda_graphs}
 
 
 def jacobi_config(args, n: int) -> dict:
     return {"name": "jacobi", "block_size": n, "draft_init": "context", "max_new_tokens": args.max_new_tokens,
-            "batch_size": 1}
+            "batch_size": 1, "cuda_graphs": args.cuda_graphs}
 
 
 def multiblock_row(args, n: int, last: str) -> tuple[str, str, dict]:

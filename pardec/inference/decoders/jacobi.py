@@ -37,6 +37,9 @@ Draft initialisation (``draft_init``, seeded per sample by ``seed`` through ``ra
   of draft states;
 - ``repeat``: the token just before the block, repeated (deterministic).
 
+The forwards run through ``pardec.inference.decoders.decode_steps`` (a ``DynamicCache`` by default;
+``cuda_graphs: true``: a static cache with each block width ``w`` captured once as a CUDA graph, batch 1).
+
 Counting (``pardec.inference.decoders.base``): every forward of the loop is counted; each commits at
 least one token, so a block takes at most n forwards and no iteration cap is needed (the loop
 spends at most ``max_new_tokens`` forwards). TPF <= n; a model whose drafts are already the
@@ -51,14 +54,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from transformers import DynamicCache
 
 from pardec.common.config_fields import Choice, ranged
 from pardec.common.constants import METADATA_KEY
 from pardec.common.errors import ConfigError
-from pardec.common.kv_cache import crop_cache
 from pardec.common.metadata import AR, MASKED_AR, CheckpointMetadata
-from pardec.inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device, prefill
+from pardec.inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device
+from pardec.inference.decoders.decode_steps import StepsPool, causal_block
 
 
 
@@ -77,6 +79,9 @@ class JacobiDecoderConfig(DecoderConfig):
     # null = the checkpoint's recorded jacobi_block_size (the n of its last training round).
     block_size: Optional[int] = ranged(None, ge=1)
     draft_init: DraftInit = DraftInit.context
+    # Each step width as a CUDA graph over a static cache (pardec.inference.decoders.decode_steps; on a
+    # GPU, so that TPS follows TPF; elsewhere the same static steps run eagerly).
+    cuda_graphs: bool = False
 
 
 def resolve_block_size(model, block_size: int | None) -> int:
@@ -121,12 +126,6 @@ def truncate_at_eos(tokens: list[int], eos_token_ids: Collection[int]) -> tuple[
     return tokens, False
 
 
-def prefill_prompt(model, prompt: Sequence[int], device: torch.device) -> DynamicCache:
-    """KV cache of ``prompt[:-1]`` (batch 1); the last prompt token is the first anchor."""
-    context = torch.tensor([list(prompt[:-1])], dtype=torch.long, device=device)  # [1, s]
-    return prefill(model, context, torch.ones_like(context))
-
-
 class JacobiDecoder(PerSampleDecoder):
     name = "jacobi"
     # The checkpoint kinds it decodes (pardec.common.metadata.CHECKPOINT_KINDS): every causal next-token LM.
@@ -134,6 +133,7 @@ class JacobiDecoder(PerSampleDecoder):
 
     def __init__(self, cfg: JacobiDecoderConfig, tokenizer):
         super().__init__(cfg, tokenizer)
+        self.steps = StepsPool(cfg.cuda_graphs)
 
     @torch.inference_mode()
     def decode_one(self, model, prompt: list[int], eos_token_ids: Collection[int], seed: int) -> DecodeResult:
@@ -143,7 +143,8 @@ class JacobiDecoder(PerSampleDecoder):
         block_size = resolve_block_size(model, cfg.block_size)
         device = model_device(model)
         rng = random.Random(seed)
-        cache = prefill_prompt(model, prompt, device)
+        steps = self.steps.get(model, len(prompt) + cfg.max_new_tokens + block_size)
+        steps.reset(prompt[:-1])  # the last prompt token is the first anchor
         anchor, position = prompt[-1], len(prompt)  # anchor at position - 1, not in the cache
         budget_end = len(prompt) + cfg.max_new_tokens
         tokens: list[int] = []
@@ -158,20 +159,17 @@ class JacobiDecoder(PerSampleDecoder):
                     draft = init_draft(cfg.draft_init, rng, list(prompt) + tokens, anchor, length)
                     blocks += 1
                 # 1. one causal forward over [anchor, y_1 .. y_{w-1}]
-                width = len(draft)
-                ids = torch.tensor([[anchor] + draft[:-1]], dtype=torch.long, device=device)  # [1, w]
-                positions = torch.arange(position - 1, position - 1 + width, device=device).unsqueeze(0)  # [1, w]
-                cached = cache.get_seq_length()
-                logits = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True).logits
+                width, cached = len(draft), steps.length  # the cache ends just before the anchor
+                logits = steps.forward([anchor] + draft[:-1], causal_block(width, model.dtype, device))  # [w, V]
                 forwards += 1
                 # 2. greedy update: pred[i] is the token for position `position + i`
-                pred = logits[0].argmax(dim=-1).tolist()  # [w]
+                pred = logits.argmax(dim=-1).tolist()  # [w]
                 # 3. accept the longest converged prefix plus the first exact token after it
                 accepted = min(converged_prefix(draft, pred) + 1, width)
                 new, hit_eos = truncate_at_eos(pred[:accepted], eos_token_ids)
                 tokens += new
                 # 4. keep the KV of the anchor and the accepted inputs, drop the rejected tail
-                crop_cache(cache, cached + accepted)
+                steps.crop(cached + accepted)
                 # 5. Jacobi update of the block's remaining positions
                 anchor, position, draft = pred[accepted - 1], position + accepted, pred[accepted:]
 

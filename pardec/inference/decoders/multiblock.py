@@ -106,12 +106,12 @@ from transformers import DynamicCache
 from pardec.common.config_fields import ranged
 from pardec.common.kv_cache import crop_cache
 from pardec.common.metadata import AR, MASKED_AR
-from pardec.inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device
+from pardec.inference.decoders.base import (DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device,
+                                           prefill)
 from pardec.inference.decoders.jacobi import (
     DraftInit,
     converged_prefix,
     init_draft,
-    prefill_prompt,
     resolve_block_size,
     truncate_at_eos,
 )
@@ -119,6 +119,12 @@ from pardec.masks.core import MaskMod, additive_mask, require_dense_attention
 
 ROOT = 0  # branch id of the anchor (seen by every branch)
 CHAIN = 1  # branch id of the blocks' drafts; candidate j (0-based) is CHAIN + 1 + j
+
+
+def prefill_prompt(model, prompt: Sequence[int], device: torch.device) -> DynamicCache:
+    """KV cache of ``prompt[:-1]`` (batch 1); the last prompt token is the first anchor."""
+    context = torch.tensor([list(prompt[:-1])], dtype=torch.long, device=device)  # [1, s]
+    return prefill(model, context, torch.ones_like(context))
 
 
 @dataclass
