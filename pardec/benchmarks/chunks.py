@@ -59,6 +59,24 @@ def run_in_chunks(problems, chunk_size: int, chunk_dir: str | Path, fingerprint:
     return pooled
 
 
+def decode_all(problems, chunk_dir: str | Path | None, chunk_size: int, fingerprint: dict[str, Any],
+               run_chunk: Callable[[Any], Records], write_table: Callable[[Records, int], None]) -> None:
+    """A benchmark's decoding: every problem in one go when ``chunk_dir`` is None, else in chunks
+    (:func:`run_in_chunks`); ``write_table(records, problems done)`` after each."""
+    if chunk_dir is None:
+        write_table(run_chunk(problems), len(problems))
+    else:
+        run_in_chunks(problems, chunk_size, chunk_dir, fingerprint, run_chunk, on_chunk=write_table)
+
+
+def progress_note(chunk_dir: str | Path | None, chunk_size: int, done: int, total: int) -> str:
+    """What a table's header says of its chunks and, while some are missing, how far the run got."""
+    note = f" (chunks of {chunk_size}, every row on each chunk in turn, in {chunk_dir})" if chunk_dir else ""
+    if done < total:
+        note += f"; **{done} of {total} problems done**: run the same command again to go on"
+    return note
+
+
 def read_chunk(path: Path, fingerprint: dict[str, Any]) -> Records:
     try:
         saved = json.loads(path.read_text())

@@ -32,7 +32,7 @@ import json
 
 import torch
 
-from pardec.benchmarks.chunks import run_in_chunks
+from pardec.benchmarks.chunks import decode_all, progress_note
 from pardec.benchmarks.common import RESULTS, held_out_rows, invoked_command, validation_rows, write_results
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.mdm_common import default_block_size, mdm_info
@@ -191,10 +191,7 @@ def main(argv: list[str] | None = None) -> None:
                 ["| decoder | accuracy | steps/sample |", "|---|---|---|"]
                 + [f"| {r['decoder']} | {r['accuracy']:.1%} | {r['steps_per_sample']:.2f} |" for r in baselines_val])
         print(md, flush=True)
-        progress = (f" (chunks of {args.chunk_size}, every row on each chunk in turn, in {args.chunk_dir})"
-                    if args.chunk_dir else "")
-        if done < len(test):
-            progress += f"; **{done} of {len(test)} problems done**: run the same command again to go on"
+        progress = progress_note(args.chunk_dir, args.chunk_size, done, len(test))
         write_results(args.out, invoked_command("pardec.benchmarks.cover", argv),
                       f"Checkpoint: {args.mdm}{f' (AR row: {args.base})' if base else ''}. Test: the first {done} "
                       f"held-out problems{progress}; COVER's tau_draft tuned on the first {args.num_validation} "
@@ -203,13 +200,10 @@ def main(argv: list[str] | None = None) -> None:
                       f"{args.template}.\n\nValidation (COVER):\n\n{tune_md}\n\nTest:\n\n{md}",
                       {"validation": tuning, "validation_baselines": baselines_val, "test": table})
 
-    if args.chunk_dir is None:
-        write_table(run_chunk(test), len(test))
-        return
     fingerprint = {"benchmark": "cover", "mdm": args.mdm, "base": args.base, "template": args.template,
                    "device": args.device, "dtype": args.dtype, "threads": args.threads,
                    "rows": [[label, decoder] for label, decoder in rows]}
-    run_in_chunks(test, args.chunk_size, args.chunk_dir, fingerprint, run_chunk, on_chunk=write_table)
+    decode_all(test, args.chunk_dir, args.chunk_size, fingerprint, run_chunk, write_table)
 
 
 if __name__ == "__main__":

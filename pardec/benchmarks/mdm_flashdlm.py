@@ -31,7 +31,7 @@ import argparse
 
 import torch
 
-from pardec.benchmarks.chunks import run_in_chunks
+from pardec.benchmarks.chunks import decode_all, progress_note
 from pardec.benchmarks.common import RESULTS, identical, invoked_command, split_rows, write_results
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.mdm_common import default_block_size, mdm_info
@@ -162,23 +162,17 @@ def main(argv: list[str] | None = None) -> None:
         md = table_md(table)
         print(md, flush=True)
         split = "test split" if args.split == "test" else "validation split"
-        progress = (f" (chunks of {args.chunk_size}, every row on each chunk in turn, in {args.chunk_dir})"
-                    if args.chunk_dir else "")
-        if done < len(eval_rows):
-            progress += f"; **{done} of {len(eval_rows)} problems done**: run the same command again to go on"
+        progress = progress_note(args.chunk_dir, args.chunk_size, done, len(eval_rows))
         write_results(args.out, invoked_command("pardec.benchmarks.mdm_flashdlm", argv),
                       f"{done} problems ({split}){progress}, generation length {args.gen_length}, "
                       f"block {args.block_size}, batch 1, {args.dtype} on {args.device} ({args.threads} threads), "
                       f"template {args.template}.\n\n{md}", table)
 
-    if args.chunk_dir is None:
-        write_table(run_chunk(eval_rows), len(eval_rows))
-        return
     fingerprint = {"benchmark": "mdm_flashdlm", "base": args.base, "mdm": args.mdm, "split": args.split,
                    "gen_length": args.gen_length, "block_size": args.block_size, "template": args.template,
                    "device": args.device, "dtype": args.dtype, "threads": args.threads,
                    "rows": [[key, decoder] for key, _, _, decoder in selected]}
-    run_in_chunks(eval_rows, args.chunk_size, args.chunk_dir, fingerprint, run_chunk, on_chunk=write_table)
+    decode_all(eval_rows, args.chunk_dir, args.chunk_size, fingerprint, run_chunk, write_table)
 
 
 if __name__ == "__main__":

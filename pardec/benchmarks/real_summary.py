@@ -120,11 +120,12 @@ ROWS: tuple[RealRow, ...] = (
     # A third H200 session: blocks of 32, bidirectional and block-causal, both on that session's SFT base (eager;
     # Fast-dLLM is in the COVER tables, which have no AR row: TPS / base AR "—" there).
     *(RealRow("MDM", "MDM (bidirectional, block 32) on the third H200 run's SFT base", H200,
-              "gpu_mdm_flashdlm_bidir_h200", "mdm_flashdlm", label, short, "smollm2_mdm_bidir_gpu@h200", lossless,
+              "gpu_mdm_flashdlm_bidir_h200", "mdm_flashdlm", label, f"{short}, bidir-32", "smollm2_mdm_bidir_gpu@h200",
+              lossless,
               GPU_RUN_MDM_32.format(attention="bidir"))
       for label, short, lossless in MDM_FLASHDLM_ROWS if short != "Fast-dLLM"),
     *(RealRow("MDM", f"MDM ({name}, block 32) on the third H200 run's SFT base", H200, f"gpu_cover_{key}_h200", "cover",
-              label, short, f"smollm2_mdm_{key}_gpu@h200", None, GPU_RUN_MDM_32.format(attention=key))
+              label, f"{short}, {key}", f"smollm2_mdm_{key}_gpu@h200", None, GPU_RUN_MDM_32.format(attention=key))
       for key, name in (("bidir", "bidirectional"), ("block32", "block-causal")) for label, short in COVER_ROWS),
 )
 
