@@ -1,5 +1,5 @@
 """Decode steps (pardec.inference.decoders.decode_steps): the static-cache steps that CUDA graphs
-replay compute what the eager DynamicCache steps compute, and the AR, ISD and Jacobi decoders with
+replay compute what the eager DynamicCache steps compute, and the AR, ISD, Jacobi and multi-block decoders with
 ``cuda_graphs`` decode the same tokens as without (on CPU the static steps run eagerly; the graph
 capture itself is checked by the CUDA tests)."""
 
@@ -102,6 +102,22 @@ def test_jacobi_with_cuda_graphs_decodes_as_without(arch, kind):
             assert got.forwards == expected.forwards and got.stats == expected.stats
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_multiblock_with_cuda_graphs_decodes_as_without(arch):
+    """Multi-block + recycling over static steps (branches sharing positions, the winning branch's
+    keys moved down) equals it over dynamic steps and AR greedy, with the same forwards and stats."""
+    for kind in ("random", "parrot"):
+        model = MODELS[kind](arch)
+        for cfg in ({"block_size": 3, "num_blocks": 2}, {"block_size": 4, "num_blocks": 3, "spawn_ratio": 0.5}):
+            cfg = {"name": "multiblock", "max_new_tokens": 16, "ngram_pool_size": 4, "verification_size": 2, **cfg}
+            static_decoder = build_decoder({**cfg, "cuda_graphs": True}, None)
+            for prompt in PROMPTS:
+                got = static_decoder.decode_one(model, prompt, NO_EOS, 5)
+                expected = build_decoder(cfg, None).decode_one(model, prompt, NO_EOS, 5)
+                assert got.tokens == expected.tokens == ar_greedy(model, prompt), (kind, cfg, prompt)
+                assert got.forwards == expected.forwards and got.stats == expected.stats
+
+
 def test_jacobi_with_cuda_graphs_stops_at_eos():
     model = MODELS["parrot"]("llama")
     full = ar_greedy(model, PROMPTS[2])
@@ -152,8 +168,8 @@ def test_steps_pool_reuses_the_static_cache_until_a_longer_one_is_needed():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graph_replays_equal_eager_static_steps_and_isd_equals_ar_on_cuda():
-    """Captured steps replay the eager kernels: the same logits as the eager static step, and ISD
-    and Jacobi with graphs still reproduce AR greedy (fp32)."""
+    """Captured steps replay the eager kernels: the same logits as the eager static step, and ISD,
+    Jacobi and multi-block with graphs still reproduce AR greedy (fp32)."""
     model = MODELS["parrot"]("qwen3").to("cuda")
     masks = StepMasks(model.dtype, "cuda")
     eager, graphed = StaticSteps(model, 64, graphs=False), StaticSteps(model, 64, graphs=True)
@@ -172,3 +188,6 @@ def test_graph_replays_equal_eager_static_steps_and_isd_equals_ar_on_cuda():
         for prompt in PROMPTS:
             got = jacobi(block_size=block_size, max_new_tokens=40, cuda_graphs=True).decode_one(model, prompt, NO_EOS, 0)
             assert got.tokens == ar_greedy(model, prompt, 40), (block_size, prompt)
+            multiblock = build_decoder({"name": "multiblock", "block_size": block_size, "max_new_tokens": 40,
+                                        "cuda_graphs": True}, None)
+            assert multiblock.decode_one(model, prompt, NO_EOS, 0).tokens == ar_greedy(model, prompt, 40)

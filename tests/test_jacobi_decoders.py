@@ -16,9 +16,9 @@ from transformers import DynamicCache, Qwen3Config
 
 from pardec.common.errors import ConfigError
 from pardec.inference.decoders import multiblock
+from pardec.inference.decoders.decode_steps import DynamicSteps, StaticSteps
 from pardec.inference.decoders.jacobi import init_draft
-from pardec.inference.decoders.multiblock import (Block, BlockChain, Commit, NgramPool, forward_branches,
-                                                  keep_cache_entries, prefill_prompt)
+from pardec.inference.decoders.multiblock import Block, BlockChain, Commit, NgramPool, forward_branches
 from pardec.inference.decoders.registry import build_decoder, decoder_config
 from pardec.masks.core import additive_mask
 from tests.conftest import tiny_model
@@ -267,14 +267,18 @@ def test_pseudo_active_update_freezes_the_agreeing_run_plus_one():
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_one_forward_over_chain_and_candidates_matches_separate_forwards(attn):
+@pytest.mark.parametrize("static", [False, True])
+def test_one_forward_over_chain_and_candidates_matches_separate_forwards(attn, static):
+    """Over a DynamicCache and over the static cache the CUDA graphs replay (run eagerly here)."""
     model = tiny_model(30, seed=5)
     model.set_attn_implementation(attn)
     prompt, anchor, chain = [3, 4, 5, 6], 7, [8, 9, 10, 11, 12]
     candidates = [[13, 14, 15], [8, 16, 17]]
-    cache = prefill_prompt(model, prompt + [anchor], torch.device("cpu"))
-    preds = forward_branches(model, cache, anchor, len(prompt) + 1, chain, candidates)
-    assert cache.get_seq_length() == len(prompt) + 1 + len(chain) + sum(map(len, candidates))
+    steps = StaticSteps(model, 64, graphs=False) if static else DynamicSteps(model)
+    steps.reset(prompt)  # the anchor is the first input
+    with torch.no_grad():
+        preds = forward_branches(model, steps, anchor, len(prompt) + 1, chain, candidates)
+    assert steps.length == len(prompt) + 1 + len(chain) + sum(map(len, candidates))
 
     def separate(tokens):  # plain causal forward without cache over prompt + anchor + tokens
         with torch.no_grad():
@@ -302,15 +306,34 @@ def test_multiblock_mask_predicate():
     assert mask.min() == torch.finfo(torch.float32).min
 
 
-def test_keep_cache_entries_moves_a_branch_next_to_the_anchor():
-    cache = DynamicCache()
+def test_keep_moves_a_branch_next_to_the_anchor():
+    steps = DynamicSteps(tiny_model(30))
+    steps.cache = DynamicCache()
     ids = torch.arange(10, dtype=torch.float32)[None, None, :, None]  # [1, 1, 10, 1]
-    cache.update(ids, ids + 100, 0)
-    keep_cache_entries(cache, base=4, start=7, count=2)
-    assert cache.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 7, 8]
-    assert cache.layers[0].values[0, 0, :, 0].tolist() == [100, 101, 102, 103, 107, 108]
-    keep_cache_entries(cache, base=3, start=3, count=1)  # contiguous: a crop
-    assert cache.get_seq_length() == 4
+    steps.cache.update(ids, ids + 100, 0)
+    steps.keep(base=4, start=7, count=2)
+    assert steps.cache.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 7, 8]
+    assert steps.cache.layers[0].values[0, 0, :, 0].tolist() == [100, 101, 102, 103, 107, 108]
+    steps.keep(base=3, start=3, count=1)  # contiguous: a crop
+    assert steps.length == 4
+
+
+def test_static_keep_equals_dynamic_keep():
+    """The static cache copies the kept keys down in place; the next forward sees what the dynamic
+    cache's gather leaves (same logits), and a keep past the committed keys is refused."""
+    model = tiny_model(30, seed=2)
+    static, dynamic = StaticSteps(model, 32, graphs=False), DynamicSteps(model)
+    block = torch.zeros((1, 1, 3, 3))
+    with torch.no_grad():
+        for steps in (static, dynamic):
+            steps.reset([3, 4, 5, 6])
+            steps.forward([7, 8, 9, 10, 11, 12], torch.zeros((1, 1, 6, 6)), [0, 1, 2, 1, 2, 3])
+            steps.keep(base=5, start=7, count=3)
+        assert static.length == dynamic.length == 8
+        torch.testing.assert_close(static.forward([13, 14, 15], block, [4, 5, 6]),
+                                   dynamic.forward([13, 14, 15], block, [4, 5, 6]))
+    with pytest.raises(ValueError, match="keep"):
+        static.keep(base=2, start=9, count=5)
 
 
 def test_ngram_pool_candidates():

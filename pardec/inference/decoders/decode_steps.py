@@ -1,9 +1,12 @@
 """Batch-1 decode steps: over a ``DynamicCache`` (eager), or over a ``StaticCache`` with each step
 width captured once as a CUDA graph (``cuda_graphs: true`` of the AR and ISD decoders).
 
-Both kinds have one interface: ``reset(context)``, ``forward(ids, block) -> logits [q, V]`` (the
-``q`` ids after the cached keys, ``block [1, 1, q, q]`` the additive mask over their own keys; every
-query sees every cached key), ``crop(length)`` and ``length``.
+Both kinds have one interface: ``reset(context)``, ``forward(ids, block, offsets=None) -> logits
+[q, V]`` (the ``q`` ids after the cached keys, ``block [1, 1, q, q]`` the additive mask over their own
+keys, every query seeing every cached key; ``offsets``: each id's position relative to the first
+uncached one, ``0 .. q-1`` by default, e.g. branches that share positions), ``crop(length)``,
+``keep(base, start, count)`` (the first ``base`` keys, then ``count`` keys moved down from ``start``)
+and ``length``.
 
 Why graphs: an eager decode step of a small model on a GPU is bound by kernel launches (SmolLM2-135M on an
 H100: 19-53 forwards per second whatever their width, docs/results/real_gpu.md), so a parallel
@@ -17,6 +20,8 @@ Conventions (one sequence, batch 1):
   positions ``length .. length+q-1`` and transformers' ``StaticLayer.update`` writes their K/V at
   its ``cumulative_length`` (set to ``length`` inside the step). :meth:`StaticSteps.crop` only moves
   ``length`` back: entries past it are stale, hidden by the mask and overwritten by later steps.
+* a step's K/V go to the ``q`` slots after the committed keys whatever the ids' positions (the
+  ``offsets`` only move the rotary positions), as a ``DynamicCache`` appends them.
 * the step's additive mask ``[1, 1, q, max_len]``: 0 on the committed keys, the caller's
   ``block [1, 1, q, q]`` (additive, over the step's own keys) on columns ``length .. length+q-1``,
   the dtype's minimum elsewhere. So a step computes what the same forward over a ``DynamicCache``
@@ -39,7 +44,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, StaticCache
 
-from pardec.common.kv_cache import crop_cache
+from pardec.common.kv_cache import crop_cache, select_cache_entries
 from pardec.inference.decoders.base import model_device, prefill
 
 BUCKET = 512  # static cache lengths are multiples of this: a longer problem re-allocates rarely
@@ -51,13 +56,15 @@ def causal_block(q: int, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.zeros((1, 1, q, q), dtype=dtype, device=device).masked_fill(hidden, torch.finfo(dtype).min)
 
 
-def dynamic_step(model, cache: DynamicCache, ids: Sequence[int], block: torch.Tensor) -> torch.Tensor:
-    """One eager forward of ``ids`` after ``cache`` (its K/V appended), mask ``pad(block, (cache_len, 0))``;
-    logits ``[q, V]``."""
+def dynamic_step(model, cache: DynamicCache, ids: Sequence[int], block: torch.Tensor,
+                 offsets: Sequence[int] | None = None) -> torch.Tensor:
+    """One eager forward of ``ids`` after ``cache`` (its K/V appended), mask ``pad(block, (cache_len, 0))``,
+    positions ``cache_len + offsets`` (``offsets`` default ``0 .. q-1``); logits ``[q, V]``."""
     device = model_device(model)
     cache_len = cache.get_seq_length()
     ids_t = torch.tensor([list(ids)], device=device)  # [1, q]
-    positions = torch.arange(cache_len, cache_len + ids_t.shape[1], device=device).unsqueeze(0)  # [1, q]
+    rel = torch.arange(len(ids), device=device) if offsets is None else torch.tensor(list(offsets), device=device)
+    positions = (cache_len + rel).unsqueeze(0)  # [1, q]
     mask = torch.nn.functional.pad(block, (cache_len, 0))  # [1, 1, q, cache_len + q]
     out = model(input_ids=ids_t, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
     return out.logits[0]  # [q, V]
@@ -78,11 +85,18 @@ class DynamicSteps:
         ids = torch.tensor([list(context)], dtype=torch.long, device=self.device)  # [1, L]
         self.cache = prefill(self.model, ids, torch.ones_like(ids))
 
-    def forward(self, ids: Sequence[int], block: torch.Tensor) -> torch.Tensor:
-        return dynamic_step(self.model, self.cache, ids, block)
+    def forward(self, ids: Sequence[int], block: torch.Tensor, offsets: Sequence[int] | None = None) -> torch.Tensor:
+        return dynamic_step(self.model, self.cache, ids, block, offsets)
 
     def crop(self, length: int) -> None:
         crop_cache(self.cache, length)
+
+    def keep(self, base: int, start: int, count: int) -> None:
+        """Keep keys ``[0, base)`` then ``[start, start + count)``; drop the rest."""
+        if start == base or count == 0:
+            self.crop(base + count)
+            return
+        select_cache_entries(self.cache, torch.cat([torch.arange(base), torch.arange(start, start + count)]))
 
 
 class StaticSteps:
@@ -115,10 +129,23 @@ class StaticSteps:
             raise ValueError(f"crop to {length} keys: the cache holds {self.length}")
         self.length = length
 
-    def forward(self, ids: Sequence[int], block: torch.Tensor, capture: bool = True) -> torch.Tensor:
+    def keep(self, base: int, start: int, count: int) -> None:
+        """Keep keys ``[0, base)`` then ``[start, start + count)`` (copied down in place, so the
+        captured graphs keep their addresses); later ones become stale."""
+        if not (0 <= base <= start and start + count <= self.length):
+            raise ValueError(f"keep {count} keys from {start} after {base}: the cache holds {self.length}")
+        if start > base and count:
+            for layer in self.cache.layers:
+                for kv in (layer.keys, layer.values):  # [1, heads, max_len, head_dim]
+                    kv[:, :, base:base + count] = kv[:, :, start:start + count].clone()
+        self.length = base + count
+
+    def forward(self, ids: Sequence[int], block: torch.Tensor, offsets: Sequence[int] | None = None,
+                capture: bool = True) -> torch.Tensor:
         """Logits ``[q, V]`` of ``ids`` (q tokens) after the committed keys, masked by ``block
-        [1, 1, q, q]``; their K/V are appended (``length += q``). ``capture=False`` runs eagerly
-        without keeping the width's buffers (a prefill's one-off width)."""
+        [1, 1, q, q]``, at positions ``length + offsets`` (default ``0 .. q-1``); their K/V are
+        appended (``length += q``). ``capture=False`` runs eagerly without keeping the width's
+        buffers (a prefill's one-off width)."""
         q = len(ids)
         if self.length + q > self.max_len:
             raise ValueError(f"a step of {q} tokens after {self.length} overflows the static cache of {self.max_len}")
@@ -128,6 +155,7 @@ class StaticSteps:
             if capture:
                 self._steps[q] = step
         step.ids.copy_(torch.tensor([list(ids)], dtype=torch.long), non_blocking=False)
+        step.offsets.copy_(torch.arange(q) if offsets is None else torch.tensor(list(offsets), dtype=torch.long))
         step.block.copy_(block)
         self._length.fill_(self.length)
         if capture and self.graphs:
@@ -147,11 +175,12 @@ class StaticSteps:
         own = step.block[0, 0][:, rel.clamp(0, q - 1)]  # [q, max_len]
         minimum = torch.finfo(self.dtype).min
         mask = torch.where(rel < 0, 0.0, torch.where(rel < q, own, minimum)).to(self.dtype)  # [q, max_len]
-        positions = self._length + torch.arange(q, device=self.device)  # [q]
+        slots = self._length + torch.arange(q, device=self.device)  # [q]: where the step's K/V go
         for length in self._layer_lengths:
             length.copy_(self._length)
-        out = self.model(input_ids=step.ids, attention_mask=mask[None, None], position_ids=positions[None],
-                         cache_position=positions, past_key_values=self.cache, use_cache=True)
+        out = self.model(input_ids=step.ids, attention_mask=mask[None, None],
+                         position_ids=(self._length + step.offsets)[None], cache_position=slots,
+                         past_key_values=self.cache, use_cache=True)
         return out.logits  # [1, q, V]
 
 
@@ -161,6 +190,7 @@ class _Step:
     def __init__(self, steps: StaticSteps, q: int):
         self.steps, self.q = steps, q
         self.ids = torch.zeros((1, q), dtype=torch.long, device=steps.device)
+        self.offsets = torch.arange(q, device=steps.device)  # positions relative to the committed length
         self.block = torch.zeros((1, 1, q, q), dtype=steps.dtype, device=steps.device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None

@@ -89,6 +89,10 @@ same tokens, same draft stream).
 
 Counting: one forward per iteration (candidates included), each commits between 1 and ``K * n``
 tokens, so ``ceil(committed / (K * n)) <= forwards <= committed``.
+
+The forwards run through ``pardec.inference.decoders.decode_steps`` (a ``DynamicCache`` by default;
+``cuda_graphs: true``: a static cache, each forward width captured once as a CUDA graph, batch 1;
+the branches' shared positions go in as offsets and step 5 copies the kept keys down in place).
 """
 
 from __future__ import annotations
@@ -101,13 +105,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from transformers import DynamicCache
 
 from pardec.common.config_fields import ranged
-from pardec.common.kv_cache import crop_cache
 from pardec.common.metadata import AR, MASKED_AR
-from pardec.inference.decoders.base import (DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device,
-                                           prefill)
+from pardec.inference.decoders.base import DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, model_device
+from pardec.inference.decoders.decode_steps import DynamicSteps, StaticSteps, StepsPool
 from pardec.inference.decoders.jacobi import (
     DraftInit,
     converged_prefix,
@@ -121,11 +123,6 @@ ROOT = 0  # branch id of the anchor (seen by every branch)
 CHAIN = 1  # branch id of the blocks' drafts; candidate j (0-based) is CHAIN + 1 + j
 
 
-def prefill_prompt(model, prompt: Sequence[int], device: torch.device) -> DynamicCache:
-    """KV cache of ``prompt[:-1]`` (batch 1); the last prompt token is the first anchor."""
-    context = torch.tensor([list(prompt[:-1])], dtype=torch.long, device=device)  # [1, s]
-    return prefill(model, context, torch.ones_like(context))
-
 
 @dataclass
 class MultiBlockDecoderConfig(DecoderConfig):
@@ -137,6 +134,8 @@ class MultiBlockDecoderConfig(DecoderConfig):
     ngram_pool_size: int = ranged(4, ge=0, note="0 = recycling off")
     verification_size: int = ranged(4, ge=0, note="0 = recycling off")
     draft_init: DraftInit = DraftInit.context  # as in JacobiDecoderConfig
+    # Each forward width as a CUDA graph over a static cache (as JacobiDecoderConfig.cuda_graphs).
+    cuda_graphs: bool = False
 
 
 # --------------------------------------------------------------------------- attention mask
@@ -170,14 +169,15 @@ class BranchPredictions:
 
 def forward_branches(
     model,
-    cache: DynamicCache,
+    steps: DynamicSteps | StaticSteps,
     anchor: int,
     position: int,
     chain: Sequence[int],
     candidates: Sequence[Sequence[int]],
 ) -> BranchPredictions:
     """One forward over ``[anchor | chain | candidates...]`` (anchor at ``position - 1``, chain and
-    candidates from ``position``); appends every input's KV to ``cache``."""
+    candidates from ``position``) after the committed keys of ``steps`` (which end just before the
+    anchor); appends every input's KV."""
     device = model_device(model)
     ids = [anchor, *chain]
     positions = [position - 1, *range(position, position + len(chain))]
@@ -188,36 +188,17 @@ def forward_branches(
         ids += cand
         positions += range(position, position + len(cand))
         branch += [CHAIN + 1 + j] * len(cand)
-    ids_t = torch.tensor([ids], dtype=torch.long, device=device)  # [1, q]
     positions_t = torch.tensor([positions], dtype=torch.long, device=device)  # [1, q]
     branch_t = torch.tensor([branch], dtype=torch.long, device=device)  # [1, q]
-    dtype = next(model.parameters()).dtype
-    cache_len, q_len = cache.get_seq_length(), len(ids)
-    mask = additive_mask(
-        multiblock_mask(branch_t, positions_t, cache_len), 1, q_len, cache_len + q_len, dtype, device, cache_len
-    )  # [1, 1, q, cache + q]
-    logits = model(
-        input_ids=ids_t, attention_mask=mask, position_ids=positions_t, past_key_values=cache, use_cache=True
-    ).logits
-    pred = logits[0].argmax(dim=-1).tolist()  # [q]
+    q_len = len(ids)
+    block = additive_mask(multiblock_mask(branch_t, positions_t, 0), 1, q_len, q_len, model.dtype, device)  # [1, 1, q, q]
+    logits = steps.forward(ids, block, [p - (position - 1) for p in positions])  # [q, V]
+    pred = logits.argmax(dim=-1).tolist()  # [q]
     return BranchPredictions(
         chain=pred[: len(chain) + 1],
         candidates=[[pred[0]] + pred[o : o + len(c)] for o, c in zip(offsets, candidates)],
         offsets=offsets,
     )
-
-
-def keep_cache_entries(cache: DynamicCache, base: int, start: int, count: int) -> None:
-    """Keep KV entries ``[0, base)`` and ``[start, start + count)``, in that order; drop the rest."""
-    if start == base or count == 0:
-        crop_cache(cache, base + count)
-        return
-    for layer in cache.layers:
-        if layer.is_initialized:
-            device = layer.keys.device
-            index = torch.cat([torch.arange(base, device=device), torch.arange(start, start + count, device=device)])
-            layer.keys = layer.keys.index_select(-2, index)  # [b, h, base + count, d]
-            layer.values = layer.values.index_select(-2, index)
 
 
 # --------------------------------------------------------------------------- n-gram pool
@@ -359,6 +340,7 @@ class MultiBlockDecoder(PerSampleDecoder):
     def __init__(self, cfg: MultiBlockDecoderConfig, tokenizer):
         super().__init__(cfg, tokenizer)
         self.recycling = cfg.ngram_pool_size > 0 and cfg.verification_size > 0
+        self.steps = StepsPool(cfg.cuda_graphs)
 
     @torch.inference_mode()
     def decode_one(self, model, prompt: list[int], eos_token_ids: Collection[int], seed: int) -> DecodeResult:
@@ -369,8 +351,10 @@ class MultiBlockDecoder(PerSampleDecoder):
         device = model_device(model)
         rng = random.Random(seed)
         pool = NgramPool(cfg.ngram_pool_size)
-        cache = prefill_prompt(model, prompt, device)
         block_size = resolve_block_size(model, cfg.block_size)
+        widest = 1 + (cfg.num_blocks + cfg.verification_size) * block_size  # anchor, blocks in flight, candidates
+        steps = self.steps.get(model, len(prompt) + cfg.max_new_tokens + widest)
+        steps.reset(prompt[:-1])  # the last prompt token is the first anchor
         spawn_threshold = math.ceil(cfg.spawn_ratio * block_size)
         state = BlockChain(len(prompt), block_size, len(prompt) + cfg.max_new_tokens)
         anchor = prompt[-1]
@@ -395,8 +379,8 @@ class MultiBlockDecoder(PerSampleDecoder):
                 ra_inputs = state.real_active_inputs()
                 candidates = pool.candidates(anchor, chain[:ra_inputs], cfg.verification_size) if self.recycling else []
                 # 3. one forward over anchor, chain and candidates
-                cached = cache.get_seq_length()
-                preds = forward_branches(model, cache, anchor, state.position, chain, candidates)
+                cached = steps.length
+                preds = forward_branches(model, steps, anchor, state.position, chain, candidates)
                 forwards += 1
                 stats["candidates_verified"] += len(candidates)
                 # 4. greedy verification; commit the winner's accepted tokens
@@ -410,7 +394,7 @@ class MultiBlockDecoder(PerSampleDecoder):
                     break
                 # 5. KV: anchor + the winning branch's accepted inputs (moved next to the anchor)
                 first = cached + 1 if commit.winner < 0 else cached + preds.offsets[commit.winner]
-                keep_cache_entries(cache, cached + 1, first, commit.count - 1)
+                steps.keep(cached + 1, first, commit.count - 1)
                 # 6. recycle the chain's rejected suffix
                 if self.recycling:
                     pool.push(state.draft[commit.chain_agreed :])
