@@ -143,6 +143,7 @@ class JacobiDecoder(PerSampleDecoder):
         block_size = resolve_block_size(model, cfg.block_size)
         device = model_device(model)
         rng = random.Random(seed)
+        masks: dict[int, torch.Tensor] = {}  # causal mask per width, built once (no host work per step)
         steps = self.steps.get(model, len(prompt) + cfg.max_new_tokens + block_size)
         steps.reset(prompt[:-1])  # the last prompt token is the first anchor
         anchor, position = prompt[-1], len(prompt)  # anchor at position - 1, not in the cache
@@ -160,7 +161,9 @@ class JacobiDecoder(PerSampleDecoder):
                     blocks += 1
                 # 1. one causal forward over [anchor, y_1 .. y_{w-1}]
                 width, cached = len(draft), steps.length  # the cache ends just before the anchor
-                logits = steps.forward([anchor] + draft[:-1], causal_block(width, model.dtype, device))  # [w, V]
+                if width not in masks:
+                    masks[width] = causal_block(width, model.dtype, device)
+                logits = steps.forward([anchor] + draft[:-1], masks[width])  # [w, V]
                 forwards += 1
                 # 2. greedy update: pred[i] is the token for position `position + i`
                 pred = logits.argmax(dim=-1).tolist()  # [w]
