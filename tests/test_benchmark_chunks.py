@@ -69,11 +69,34 @@ def test_a_stopped_run_keeps_finished_chunks_and_reports_progress(tmp_path):
 def test_chunks_of_another_setting_or_broken_are_refused(tmp_path):
     run_in_chunks(problems(2), 1, tmp_path, {"rows": ("a", 1)}, fake_rows)
     assert run_in_chunks(problems(2), 1, tmp_path, {"rows": ("a", 1)}, fake_rows) == fake_rows(problems(2))
-    with pytest.raises(ValueError, match="0000-0001.json.*another setting"):
+    with pytest.raises(ValueError, match=r"0000-0001.json.*another setting \(rows: \['a', 1\] -> \['a', 2\]\)"):
         run_in_chunks(problems(2), 1, tmp_path, {"rows": ("a", 2)}, fake_rows)
     (tmp_path / "0000-0001.json").write_text("{not json")
     with pytest.raises(ValueError, match="0000-0001.json is not valid JSON"):
         run_in_chunks(problems(2), 1, tmp_path, {"rows": ("a", 1)}, fake_rows)
+
+
+def test_chunks_name_checkpoints_by_content(tmp_path):
+    """A checkpoint re-built with the same bytes (a later session's) is the same checkpoint; one file
+    changed is refused, naming the checkpoint and the file; its README is not compared."""
+    ckpt = tmp_path / "hf"
+    ckpt.mkdir()
+    for name, content in (("model.safetensors", b"w1"), ("config.json", b"{}"), ("README.md", b"made at noon")):
+        (ckpt / name).write_bytes(content)
+    chunks = tmp_path / "chunks"
+    run_in_chunks(problems(2), 1, chunks, {"k": 1}, fake_rows, checkpoints=[ckpt])
+    saved = json.loads((chunks / "0000-0001.json").read_text())["fingerprint"]
+    assert set(saved["checkpoint_sha256"][str(ckpt)]) == {"model.safetensors", "config.json"}
+
+    def must_not_run(subset):
+        raise AssertionError("the same bytes: nothing to decode")
+
+    for name in ("model.safetensors", "README.md"):  # rewritten: same weights, another README
+        (ckpt / name).write_bytes(b"w1" if name == "model.safetensors" else b"made at midnight")
+    assert run_in_chunks(problems(2), 1, chunks, {"k": 1}, must_not_run, checkpoints=[ckpt]) == fake_rows(problems(2))
+    (ckpt / "model.safetensors").write_bytes(b"w2")
+    with pytest.raises(ValueError, match=f"0000-0001.json.*checkpoint {ckpt}: model.safetensors differs\\)"):
+        run_in_chunks(problems(2), 1, chunks, {"k": 1}, must_not_run, checkpoints=[ckpt])
 
 
 def test_mdm_flashdlm_in_chunks_equals_one_run(tmp_path, monkeypatch):

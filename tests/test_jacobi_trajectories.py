@@ -14,6 +14,7 @@ from pardec.data_pipelines.jacobi_trajectories import (
     CollectSettings,
     TrajectoryError,
     check_ar_greedy,
+    collect_batch,
     collect_one,
     collect_trajectories,
     load_trajectories,
@@ -100,6 +101,34 @@ def test_eos_inside_a_block_stops_and_masks_the_tail(where):
         assert last_states == [[eos] + [0] * (n - 1)]
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_batch_equals_its_prompts_decoded_alone(arch, n):
+    """Prompts of different lengths decoded together (left-padded, in lockstep) give each prompt's
+    batch-1 row exactly: drafts, states, fixed points, forwards; with an EOS that ends some rows
+    early (they leave the batch and its cache) and the cap ending the rest."""
+    model = tiny_model(VOCAB, arch).double()  # float64: no near-ties between the batch shapes' kernels
+    free = {i: ar_greedy(model, p, 12, UNUSED_EOS) for i, p in enumerate(PROMPTS)}
+    # an EOS generated early by some prompts and not at all (within the cap) by others
+    eos = next(t for t in range(3, VOCAB) if 0 < sum(t in toks for toks in free.values()) < len(PROMPTS))
+    s = settings(n, max_new=12, eos=eos)
+    alone = [collect_one(model, i, p, s) for i, p in enumerate(PROMPTS)]
+    together = collect_batch(model, list(range(len(PROMPTS))), PROMPTS, s)
+    assert together == alone
+    assert {r["hit_eos"] for r in alone} == {True, False}  # both ways of ending are exercised
+    for i, row in enumerate(alone):
+        assert generated(row) == ar_greedy(model, PROMPTS[i], 12, eos)[: len(generated(row))]
+
+
+def test_batches_within_shards_equal_batch_one(tmp_path):
+    model = tiny_model(VOCAB)
+    collect_trajectories(model, PROMPTS, tmp_path / "one", settings(3, max_new=6, shard_size=4))
+    collect_trajectories(model, PROMPTS, tmp_path / "four", settings(3, max_new=6, shard_size=4, batch_size=3))
+    assert _rows(load_trajectories(tmp_path / "four")) == _rows(load_trajectories(tmp_path / "one"))
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        collect_trajectories(model, PROMPTS, tmp_path / "zero", settings(3, batch_size=0))
+
+
 def test_ar_greedy_check_names_the_sample():
     model = tiny_model(VOCAB)
     prompt = PROMPTS[2]
@@ -138,8 +167,8 @@ def test_two_ranks_equal_one_rank_and_resume_skips_finished_shards(tmp_path, mon
     with pytest.raises(TrajectoryError, match="1 of 3 shards are missing .*shard-00001-of-00003"):
         load_trajectories(tmp_path / "two")
     calls = []
-    real = jt.collect_one
-    monkeypatch.setattr(jt, "collect_one", lambda m, i, p, st: calls.append(i) or real(m, i, p, st))
+    real = jt.collect_batch
+    monkeypatch.setattr(jt, "collect_batch", lambda m, i, p, st: calls.extend(i) or real(m, i, p, st))
     collect_trajectories(model, PROMPTS, tmp_path / "two", s, rank=0, world_size=2)
     assert calls == []  # rank 0's shards are done
     collect_trajectories(model, PROMPTS, tmp_path / "two", s, rank=1, world_size=2)
@@ -167,12 +196,14 @@ def test_collection_restores_training_mode(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_collection_on_gpu():
-    """float32 on CUDA: fixed points equal the KV-cached AR greedy decoder; bfloat16: the AR-greedy
-    check passes with the automatic near-tie tolerance."""
+    """float32 on CUDA: fixed points equal the KV-cached AR greedy decoder, one prompt at a time and
+    in a batch; bfloat16: the AR-greedy check passes with the automatic near-tie tolerance."""
     model = tiny_model(VOCAB).cuda()
+    batch = collect_batch(model, list(range(len(PROMPTS))), PROMPTS, settings(4, max_new=16))
     for index, prompt in enumerate(PROMPTS):
         row = collect_one(model, index, prompt, settings(4, max_new=16))
-        assert generated(row) == ar_greedy(model, prompt, 16, UNUSED_EOS)
+        assert generated(row) == generated(batch[index]) == ar_greedy(model, prompt, 16, UNUSED_EOS)
     model = model.to(torch.bfloat16)
     rows = [collect_one(model, i, p, settings(4, max_new=16)) for i, p in enumerate(PROMPTS)]
+    rows += collect_batch(model, list(range(len(PROMPTS))), PROMPTS, settings(4, max_new=16))
     assert all(len(generated(r)) == 16 for r in rows)

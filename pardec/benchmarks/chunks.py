@@ -10,17 +10,26 @@ from the records of all chunks (TPS = all committed tokens / all decoding time o
 table pooled from chunks that ran in different processes is the same computation as one run's.
 
 Each chunk file records what made it (``fingerprint``: the rows' decoder configs, checkpoints,
-split, ...); a chunk whose fingerprint differs from this run's is refused, naming the file, rather
-than pooled with records of another setting.
+split, ..., the sha256 of every file of each checkpoint and the torch version); a chunk whose
+fingerprint differs from this run's is refused, naming the file, rather than pooled with records of
+another setting. Because the checkpoints are named by their content, not by their path, the chunk
+files can be kept (``reproduce --real`` writes them under ``benchmarks/results/real/chunks/``, which
+is committed) and a later session, on a fresh machine that re-builds the checkpoints, goes on from
+them exactly when its re-built checkpoints are the same bytes (training is seeded and, on the same
+kind of CPU with the same threads and torch, deterministic); otherwise every chunk is refused.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+
+import torch
+
+from pardec.trainers.checkpoint import file_digest
 
 Records = dict[str, list[dict]]  # row key -> one record per problem (pardec.inference.evaluate's records)
 
@@ -32,13 +41,26 @@ def chunk_bounds(num_problems: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(first, min(first + chunk_size, num_problems)) for first in range(0, num_problems, chunk_size)]
 
 
+def checkpoint_digest(path: str | Path) -> dict[str, str]:
+    """The sha256 of every file of a checkpoint directory (a Hugging Face export: weights, config,
+    tokenizer) but its README, by file name; what a chunk names the checkpoint it decoded with."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint {path} is not a directory")
+    return {str(f.relative_to(path)): file_digest(f)["sha256"]
+            for f in sorted(path.rglob("*")) if f.is_file() and f.name != "README.md"}
+
+
 def run_in_chunks(problems, chunk_size: int, chunk_dir: str | Path, fingerprint: dict[str, Any],
                   run_chunk: Callable[[Any], Records], on_chunk: Callable[[Records, int], None] | None = None,
-                  ) -> Records:
+                  checkpoints: Iterable[str | Path] = ()) -> Records:
     """Every row's records over ``problems`` (a ``datasets.Dataset``), decoded by ``run_chunk(subset)``
     one chunk at a time, chunks found in ``chunk_dir`` read instead of decoded; records keep their
     problem index (``index``) across chunks. ``on_chunk(records so far, problems done)`` runs after
-    each chunk (decoded or read), e.g. to write the table so far."""
+    each chunk (decoded or read), e.g. to write the table so far. The fingerprint gains the torch
+    version and, for each of ``checkpoints``, :func:`checkpoint_digest`."""
+    fingerprint = {**fingerprint, "torch": torch.__version__,
+                   "checkpoint_sha256": {str(c): checkpoint_digest(c) for c in checkpoints}}
     chunk_dir = Path(chunk_dir)
     chunk_dir.mkdir(parents=True, exist_ok=True)
     pooled: Records = {}
@@ -60,13 +82,16 @@ def run_in_chunks(problems, chunk_size: int, chunk_dir: str | Path, fingerprint:
 
 
 def decode_all(problems, chunk_dir: str | Path | None, chunk_size: int, fingerprint: dict[str, Any],
-               run_chunk: Callable[[Any], Records], write_table: Callable[[Records, int], None]) -> None:
+               run_chunk: Callable[[Any], Records], write_table: Callable[[Records, int], None],
+               checkpoints: Iterable[str | Path] = ()) -> None:
     """A benchmark's decoding: every problem in one go when ``chunk_dir`` is None, else in chunks
-    (:func:`run_in_chunks`); ``write_table(records, problems done)`` after each."""
+    (:func:`run_in_chunks`, the chunks naming ``checkpoints`` by content); ``write_table(records,
+    problems done)`` after each."""
     if chunk_dir is None:
         write_table(run_chunk(problems), len(problems))
     else:
-        run_in_chunks(problems, chunk_size, chunk_dir, fingerprint, run_chunk, on_chunk=write_table)
+        run_in_chunks(problems, chunk_size, chunk_dir, fingerprint, run_chunk, on_chunk=write_table,
+                      checkpoints=checkpoints)
 
 
 def progress_note(chunk_dir: str | Path | None, chunk_size: int, done: int, total: int) -> str:
@@ -82,10 +107,31 @@ def read_chunk(path: Path, fingerprint: dict[str, Any]) -> Records:
         saved = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"chunk file {path} is not valid JSON ({err}); delete it to decode that chunk again") from err
-    if saved.get("fingerprint") != json.loads(json.dumps(fingerprint)):  # as saved: tuples read back as lists
-        raise ValueError(f"chunk file {path} was made by another setting ({saved.get('fingerprint')}), not this "
-                         f"run's ({fingerprint}): use another --chunk-dir, or delete the chunks to start over")
+    current = json.loads(json.dumps(fingerprint))  # as saved: tuples read back as lists
+    if saved.get("fingerprint") != current:
+        differences = fingerprint_differences(saved.get("fingerprint") or {}, current)
+        raise ValueError(f"chunk file {path} was made by another setting ({differences}): use another "
+                         f"--chunk-dir, or delete the chunks to start over")
     return saved["rows"]
+
+
+def fingerprint_differences(saved: dict[str, Any], current: dict[str, Any]) -> str:
+    """What differs between a chunk's fingerprint and this run's, e.g. ``threads: 1 -> 2`` or
+    ``checkpoint runs/x/hf: model.safetensors differs``."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        old, new = saved.get(key), current.get(key)
+        if old == new:
+            continue
+        if key == "checkpoint_sha256" and isinstance(old, dict) and isinstance(new, dict):
+            for ckpt in sorted(set(old) | set(new)):
+                a, b = old.get(ckpt) or {}, new.get(ckpt) or {}
+                files = sorted(f for f in set(a) | set(b) if a.get(f) != b.get(f))
+                if files:
+                    out.append(f"checkpoint {ckpt}: {', '.join(files)} differ{'s' if len(files) == 1 else ''}")
+        else:
+            out.append(f"{key}: {old} -> {new}")
+    return "; ".join(out)
 
 
 def write_chunk(path: Path, fingerprint: dict[str, Any], rows: Records) -> None:

@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> None:
     fingerprint = {"benchmark": "cover", "mdm": args.mdm, "base": args.base, "template": args.template,
                    "device": args.device, "dtype": args.dtype, "threads": args.threads,
                    "rows": [[label, decoder] for label, decoder in rows]}
-    decode_all(test, args.chunk_dir, args.chunk_size, fingerprint, run_chunk, write_table)
+    decode_all(test, args.chunk_dir, args.chunk_size, fingerprint, run_chunk, write_table,
+               checkpoints=[args.mdm] + ([args.base] if args.base else []))
 
 
 if __name__ == "__main__":

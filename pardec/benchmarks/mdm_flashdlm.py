@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
                    "gen_length": args.gen_length, "block_size": args.block_size, "template": args.template,
                    "device": args.device, "dtype": args.dtype, "threads": args.threads,
                    "rows": [[key, decoder] for key, _, _, decoder in selected]}
-    decode_all(eval_rows, args.chunk_dir, args.chunk_size, fingerprint, run_chunk, write_table)
+    decode_all(eval_rows, args.chunk_dir, args.chunk_size, fingerprint, run_chunk, write_table,
+               checkpoints=[args.base, args.mdm])
 
 
 if __name__ == "__main__":

@@ -128,14 +128,16 @@ REAL_STEPS: tuple[Step, ...] = (
     # (refresh), FreeCache + guided (assisted, strict) and guided shifted, about 45 s per problem (2.5 h); the
     # other rows (two tokens per step, freeze-at-last-step, relaxed) are in the GPU and embedded tables. The
     # COVER table likewise, with the base's AR greedy row (TPS / base AR), tau_draft on 5 val problems (3 min,
-    # again at each restart), about 75 s per problem (4 h).
+    # again at each restart), about 75 s per problem (4 h). The chunks are committed (benchmarks/results/real/
+    # chunks/): a later session re-builds smollm2_sft and smollm2_mdm and goes on from them when its
+    # checkpoints are the same bytes (the chunks name them by sha256; pardec.benchmarks.chunks).
     bench("cpu_mdm_flashdlm", ["--base", f"{SMOLLM2}/hf", "--mdm", "runs/smollm2_mdm/hf", "--num-samples", "200",
                                "--rows", "ar,lowconf1,threshold,fc_refresh,fc_guided_strict,guided_shifted",
-                               "--chunk-dir", "runs/reproduce_real/chunks/cpu_mdm_flashdlm", "--chunk-size", "10",
+                               "--chunk-dir", f"{REAL}/chunks/cpu_mdm_flashdlm", "--chunk-size", "10",
                                "--threads", "2", "--out", f"{REAL}/cpu_mdm_flashdlm"],
           (SMOLLM2, "runs/smollm2_mdm"), module="pardec.benchmarks.mdm_flashdlm"),
     bench("cpu_cover", ["--mdm", "runs/smollm2_mdm/hf", "--base", f"{SMOLLM2}/hf", "--num-samples", "200",
-                        "--num-validation", "5", "--chunk-dir", "runs/reproduce_real/chunks/cpu_cover",
+                        "--num-validation", "5", "--chunk-dir", f"{REAL}/chunks/cpu_cover",
                         "--chunk-size", "10", "--threads", "2", "--out", f"{REAL}/cpu_cover"],
           (SMOLLM2, "runs/smollm2_mdm"), module="pardec.benchmarks.cover"),
     # Block-causal (smollm2_mdm) against bidirectional (smollm2_mdm_bidir) attention, chosen on val: the

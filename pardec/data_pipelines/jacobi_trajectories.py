@@ -1,7 +1,8 @@
 """Greedy Jacobi trajectory collection with a KV cache, sharded and resumable
 (docs/methods/jacobi_forcing.md#trajectory-collection, paper §2.1).
 
-Per prompt (batch 1, ``torch.no_grad``, the model in eval mode):
+Per prompt (``torch.no_grad``, the model in eval mode; ``batch_size`` prompts are decoded together,
+in lockstep, by :func:`jacobi_trajectories`, which changes neither a prompt's drafts nor its forwards):
 
 1. Prefill: one causal forward over the whole prompt writes its KV cache; the argmax at its last
    position is the first generated token, which is exact.
@@ -53,7 +54,7 @@ import hashlib
 import json
 import os
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from pardec.common.kv_cache import cached_step_attention, crop_cache
+from pardec.common.kv_cache import cached_step_attention, crop_cache, left_pad
 
 META_FILE = "meta.json"
 FORMAT_VERSION = 1
@@ -92,6 +93,7 @@ class CollectSettings:
     seed: int = 0
     shard_size: int = 64
     greedy_atol: float | None = None
+    batch_size: int = 1  # prompts decoded together (within a shard)
 
     def check(self) -> None:
         if self.block_size < 1:
@@ -100,6 +102,8 @@ class CollectSettings:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.shard_size < 1:
             raise ValueError(f"shard_size must be >= 1, got {self.shard_size}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if not self.eos_token_ids:
             raise ValueError("eos_token_ids is empty: collection needs at least one EOS id")
 
@@ -109,80 +113,130 @@ class CollectSettings:
 # ---------------------------------------------------------------------------------------------
 
 
-def _forward(model, ids: list[int], start: int, cache: DynamicCache, keep: int = 0) -> torch.Tensor:
-    """Causal forward of ``ids`` at positions ``start..`` after the cached prefix. Returns the
-    logits ``[len, V]``, or of the last ``keep`` positions only when ``keep > 0``."""
-    device = next(model.parameters()).device
-    input_ids = torch.tensor([ids], device=device)  # [1, l]
-    positions = torch.arange(start, start + len(ids), device=device).unsqueeze(0)  # [1, l]
-    out = model(input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=keep)
-    return out.logits[0]
+def _forward(model, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: DynamicCache,
+             keep: int = 0) -> torch.Tensor:
+    """Causal forward of ``ids [b, l]`` at ``positions [b, l]`` after the cached prefix; ``mask
+    [b, cached + l]`` is the padding mask of the cached and the new tokens. Returns the logits
+    ``[b, l, V]``, or of the last ``keep`` positions only when ``keep > 0``."""
+    return model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+                 logits_to_keep=keep).logits
+
+
+@dataclass
+class _Trajectory:
+    """One prompt's collection in progress (a row of the batch)."""
+
+    prompt: list[int]
+    rng: np.random.Generator
+    first: int = -1  # the current block's first token, exact
+    forwards: int = 0
+    generated: list[int] = field(default_factory=list)
+    states: list[list[list[int]]] = field(default_factory=list)
+    fixed_points: list[list[int]] = field(default_factory=list)
+    valid_lens: list[int] = field(default_factory=list)
+    hit_eos: bool = False
+    # The current block: its state, the accepted prefix (n once the block is over), its stored
+    # states and how many of its tokens are valid (n unless it holds an EOS).
+    state: list[int] = field(default_factory=list)
+    done: int = 0
+    block_states: list[list[int]] = field(default_factory=list)
+    valid_len: int = 0
+
+    def begin_block(self, n: int, eos: Collection[int], pad: int) -> None:
+        """2. The draft, or a one-token block when the first token is EOS (over at once, no forward)."""
+        if self.first in eos:
+            self.state, self.done, self.valid_len = [self.first] + [pad] * (n - 1), n, 1
+        else:
+            pool = self.prompt + self.generated
+            self.state = [self.first] + [pool[i] for i in self.rng.integers(0, len(pool), size=n - 1).tolist()]
+            self.done, self.valid_len = 0, n
+        self.block_states = [list(self.state)]  # a copy: later updates never touch a stored state
+
+    def step(self, guesses: list[int], offset: int, eos: Collection[int]) -> None:
+        """3-4. One Jacobi iteration from ``guesses`` (argmax at block offsets ``offset..n-1``)."""
+        n = len(self.state)
+        self.forwards += 1
+        accepted = self.done + 1  # state[done] is exact: accepted prefix or the previous "+1" token
+        while accepted < n and self.state[accepted] == guesses[accepted - 1 - offset]:
+            accepted += 1
+        eos_at = next((o for o in range(self.done, accepted) if self.state[o] in eos), None)
+        if eos_at is not None:
+            self.done, self.valid_len = n, eos_at + 1
+        elif accepted == n:
+            self.done, self.first = n, guesses[n - 1 - offset]
+        else:
+            self.state = self.state[:accepted] + guesses[accepted - 1 - offset : n - 1 - offset]  # Jacobi update
+            self.block_states.append(list(self.state))
+            self.done = accepted
+            if self.state[accepted] in eos:  # the "+1" token is EOS: exact, no need to verify the tail
+                self.done, self.valid_len = n, accepted + 1
+
+    def end_block(self, eos: Collection[int], pad: int) -> None:
+        """5. Record the block; EOS inside it masks the tail of every state."""
+        n, v = len(self.state), self.valid_len
+        states = [st[:v] + [pad] * (n - v) for st in self.block_states] if v < n else self.block_states
+        self.hit_eos = any(t in eos for t in states[-1][:v])
+        self.states.append(states)
+        self.fixed_points.append(list(states[-1]))
+        self.valid_lens.append(v)
+        self.generated += states[-1][:v]
+
+    def record(self) -> dict[str, Any]:
+        return {"prompt_ids": self.prompt, "states": self.states, "fixed_points": self.fixed_points,
+                "valid_lens": self.valid_lens, "hit_eos": self.hit_eos, "forwards": self.forwards}
 
 
 @torch.no_grad()
-def jacobi_trajectory(
+def jacobi_trajectories(
     model,
-    prompt_ids: Sequence[int],
+    prompts: Sequence[Sequence[int]],
     settings: CollectSettings,
-    rng: np.random.Generator,
-) -> dict[str, Any]:
-    """Greedy Jacobi decoding of one prompt block by block, recording every state (module docstring).
+    rngs: Sequence[np.random.Generator],
+) -> list[dict[str, Any]]:
+    """Greedy Jacobi decoding of a batch of non-empty prompts block by block, recording every state
+    (module docstring). The prompts are left-padded and decoded in lockstep, one block at a time:
+    each forward covers block offsets ``d..n-1`` of every row, d the shortest accepted prefix among
+    the rows whose block is not over (the cache keeps offsets below d, accepted in every row); a row
+    whose block is over (converged, or ended by EOS) rides along unchanged until every row's is, and
+    a row that hit EOS or the cap leaves the batch (and the cache) before the next block. A row's
+    ``forwards`` counts the forwards it iterated in, so they (and, up to kernel rounding, its states)
+    are those of decoding it alone; at batch 1 this is the one-prompt loop of the module docstring.
 
-    Returns ``prompt_ids``, ``states``, ``fixed_points``, ``valid_lens``, ``hit_eos``, ``forwards``.
+    Returns per prompt ``prompt_ids``, ``states``, ``fixed_points``, ``valid_lens``, ``hit_eos``,
+    ``forwards``.
     """
-    prompt = [int(t) for t in prompt_ids]
-    if not prompt:
-        raise ValueError("Jacobi collection needs at least one prompt token (got an empty prompt)")
     n, eos, pad = settings.block_size, set(settings.eos_token_ids), settings.pad_token_id
+    device = next(model.parameters()).device
+    rows = [_Trajectory([int(t) for t in p], rng) for p, rng in zip(prompts, rngs, strict=True)]
+    ids, mask = left_pad([r.prompt for r in rows], pad_id=pad, device=device)  # [b, s]
     cache = DynamicCache(config=model.config)
-    first = int(_forward(model, prompt, 0, cache, keep=1)[-1].argmax())  # 1. prefill
-    forwards = 1
-    generated: list[int] = []
-    record: dict[str, list] = {"states": [], "fixed_points": [], "valid_lens": []}
-    hit_eos = False
-    while len(generated) < settings.max_new_tokens and not hit_eos:
-        start = len(prompt) + len(generated)  # == cache length: everything before this block
-        if first in eos:
-            states, valid_len = [[first] + [pad] * (n - 1)], 1
-        else:
-            pool = prompt + generated  # 2. draft
-            state = [first] + [pool[i] for i in rng.integers(0, len(pool), size=n - 1).tolist()]
-            states, valid_len, first, forwards = _iterate_block(model, cache, state, start, eos, forwards)
-        if valid_len < n:  # 5. EOS inside the block: mask the tail in every state
-            states = [s[:valid_len] + [pad] * (n - valid_len) for s in states]
-        hit_eos = any(t in eos for t in states[-1][:valid_len])
-        record["states"].append(states)
-        record["fixed_points"].append(list(states[-1]))
-        record["valid_lens"].append(valid_len)
-        generated += states[-1][:valid_len]
-    return {"prompt_ids": prompt, **record, "hit_eos": hit_eos, "forwards": forwards}
-
-
-def _iterate_block(
-    model, cache: DynamicCache, state: list[int], start: int, eos: Collection[int], forwards: int
-) -> tuple[list[list[int]], int, int, int]:
-    """3-4. Jacobi iterations of one block. Returns (states, valid_len, next block's first token,
-    forwards). ``valid_len < n`` when EOS was accepted inside the block (next token then unused)."""
-    n = len(state)
-    states = [list(state)]  # a copy: later updates never touch a stored state
-    done = 0  # leading block tokens whose KV is cached
-    while True:
-        guesses = _forward(model, state[done:], start + done, cache).argmax(-1).tolist()  # g_done..g_{n-1}
-        forwards += 1
-        accepted = done + 1  # state[done] is exact: accepted prefix or the previous "+1" token
-        while accepted < n and state[accepted] == guesses[accepted - 1 - done]:
-            accepted += 1
-        crop_cache(cache, start + accepted)
-        eos_at = next((o for o in range(done, accepted) if state[o] in eos), None)
-        if eos_at is not None:
-            return states, eos_at + 1, -1, forwards
-        if accepted == n:
-            return states, n, guesses[n - 1 - done], forwards
-        state = state[:accepted] + guesses[accepted - 1 - done : n - 1 - done]  # Jacobi update
-        states.append(list(state))
-        done = accepted
-        if state[accepted] in eos:  # the "+1" token is EOS: exact, no need to verify the tail
-            return states, accepted + 1, -1, forwards
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [b, s]: padding never shifts a row's positions
+    first = _forward(model, ids, positions, mask, cache, keep=1)[:, -1].argmax(-1).tolist()  # 1. prefill
+    for row, token in zip(rows, first):
+        row.first, row.forwards = token, 1
+    live = list(range(len(rows)))  # the batch's rows, in cache order
+    while live:
+        batch = [rows[i] for i in live]
+        for row in batch:
+            row.begin_block(n, eos, pad)
+        prefix = cache.get_seq_length()  # everything before this block
+        block_mask = torch.cat([mask, mask.new_ones(len(batch), n)], dim=1)  # [b, prefix + n]
+        starts = torch.tensor([[len(r.prompt) + len(r.generated)] for r in batch], device=device)  # [b, 1]
+        while (d := min(r.done for r in batch)) < n:
+            state = torch.tensor([r.state[d:] for r in batch], device=device)  # [b, n - d]
+            offsets = torch.arange(d, n, device=device)  # [n - d]
+            guesses = _forward(model, state, starts + offsets, block_mask, cache).argmax(-1).tolist()  # [b][n - d]
+            for row, g in zip(batch, guesses):
+                if row.done < n:
+                    row.step(g, d, eos)
+            crop_cache(cache, prefix + min(r.done for r in batch))
+        for row in batch:
+            row.end_block(eos, pad)
+        keep = [k for k, r in enumerate(batch) if not r.hit_eos and len(r.generated) < settings.max_new_tokens]
+        if len(keep) < len(batch) and keep:
+            cache.batch_select_indices(torch.tensor(keep, device=device))
+        live, mask = [live[k] for k in keep], block_mask[keep]
+    return [r.record() for r in rows]
 
 
 @torch.no_grad()
@@ -213,17 +267,28 @@ def _resolve_atol(model, atol: float | None) -> float:
     return 0.0 if next(model.parameters()).dtype == torch.float32 else 0.5
 
 
+def collect_batch(model, indices: Sequence[int], prompts: Sequence[Sequence[int]],
+                  settings: CollectSettings) -> list[dict[str, Any]]:
+    """Trajectories of prompts ``indices`` decoded together (:func:`jacobi_trajectories`), each with
+    its AR-greedy check; storage rows (``FEATURES``). A prompt's draft generator is seeded by
+    (seed, index), so its row does not depend on the batch it was in."""
+    empty = next((i for i, p in zip(indices, prompts, strict=True) if not p), None)
+    if empty is not None:
+        raise TrajectoryError(f"sample {empty}: Jacobi collection needs at least one prompt token "
+                              f"(got an empty prompt)")
+    rngs = [np.random.default_rng([settings.seed, i]) for i in indices]
+    atol = _resolve_atol(model, settings.greedy_atol)
+    out = []
+    for index, row in zip(indices, jacobi_trajectories(model, prompts, settings, rngs), strict=True):
+        generated = [t for fp, v in zip(row["fixed_points"], row["valid_lens"]) for t in fp[:v]]
+        near_ties = check_ar_greedy(model, row["prompt_ids"], generated, atol, where=f"sample {index}")
+        out.append({"index": index, **row, "near_ties": near_ties})
+    return out
+
+
 def collect_one(model, index: int, prompt_ids: Sequence[int], settings: CollectSettings) -> dict[str, Any]:
-    """Trajectory of prompt ``index`` plus its AR-greedy check; a storage row (``FEATURES``)."""
-    rng = np.random.default_rng([settings.seed, index])
-    try:
-        row = jacobi_trajectory(model, prompt_ids, settings, rng)
-    except ValueError as err:
-        raise TrajectoryError(f"sample {index}: {err}") from None
-    generated = [t for fp, v in zip(row["fixed_points"], row["valid_lens"]) for t in fp[:v]]
-    near_ties = check_ar_greedy(model, row["prompt_ids"], generated, _resolve_atol(model, settings.greedy_atol),
-                                where=f"sample {index}")
-    return {"index": index, **row, "near_ties": near_ties}
+    """Trajectory of prompt ``index`` alone (:func:`collect_batch` of one)."""
+    return collect_batch(model, [index], [prompt_ids], settings)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,8 +368,11 @@ def collect_trajectories(
             if path.is_file():
                 continue
             lo, hi = shard * settings.shard_size, min((shard + 1) * settings.shard_size, len(prompts))
+            rows = []
             with cached_step_attention():  # no cuDNN attention: a cached step's shape is new at every step
-                rows = [collect_one(model, i, prompts[i], settings) for i in range(lo, hi)]
+                for first in range(lo, hi, settings.batch_size):
+                    batch = range(first, min(first + settings.batch_size, hi))
+                    rows += collect_batch(model, list(batch), [prompts[i] for i in batch], settings)
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             datasets.Dataset.from_list(rows, features=FEATURES).to_parquet(str(tmp))
             os.replace(tmp, path)

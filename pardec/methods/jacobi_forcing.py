@@ -78,6 +78,9 @@ class JacobiForcingConfig(RecipeConfig):
     seed: int = ranged(0, ge=0)
     # Prompts per trajectory shard file (the unit of resume).
     shard_size: int = ranged(64, ge=1)
+    # Prompts collected together, left-padded, in lockstep: the same rows as one at a time, up to kernel
+    # rounding (docs/methods/jacobi_forcing.md#trajectory-collection); for GPUs, where small forwards are launch-bound.
+    collect_batch_size: int = ranged(1, ge=1)
     # Logit gap tolerated when checking the fixed points against AR greedy; null = 0 in float32,
     # 0.5 in 16-bit (see pardec.data_pipelines.jacobi_trajectories).
     greedy_atol: Optional[float] = ranged(None, ge=0)
@@ -129,6 +132,7 @@ class JacobiForcingMethod(Method):
             seed=self.cfg.seed,
             shard_size=self.cfg.shard_size,
             greedy_atol=self.cfg.greedy_atol,
+            batch_size=self.cfg.collect_batch_size,
         )
 
     def max_positions(self, data_cfg) -> tuple[int, str]:

@@ -177,18 +177,6 @@ class LoopTimer:
         self.elapsed = time.perf_counter() - self.start
 
 
-def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token rows: ``(ids [b, s], attention_mask [b, s])`` with s = longest row."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-            mask[i, width - len(r) :] = 1
-    return ids.to(device), mask.to(device)
-
-
 def prefill(model, context_ids: torch.Tensor, attention_mask: torch.Tensor) -> DynamicCache:
     """Write the KV cache of ``context_ids [b, s]`` (the prompts without their last token).
 
