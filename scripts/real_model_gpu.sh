@@ -17,6 +17,11 @@
 #   table (pardec.benchmarks.refusion, the CPU run's settings: b=16, tau among 0.9/0.7/0.5 chosen on
 #   REFUSION_VAL val problems, default 10, then the chosen tau and its KV-recomputation ablation) on
 #   PROBLEMS test problems, eager.
+# - JACOBI=1 (default 0): the Jacobi Forcing conversion (experiment=smollm2_jacobi_forcing_gpu: trajectories
+#   collected 32 prompts at a time, one round at n=8), then the Jacobi Forcing table
+#   (pardec.benchmarks.jacobi_forcing: n among 4, 8, 16 chosen on JACOBI_VAL val problems, default 10; AR
+#   greedy, Jacobi and multi-block rows) on PROBLEMS test problems, every row's decode step captured as a
+#   CUDA graph (--cuda-graphs), then eager.
 # Decoding is fp32, so "lossless" is checked token for token without bf16 rounding. Tables go to
 # benchmarks/results/real/gpu_*_<gpu>, the training commands' wall times to gpu_conversions_<gpu>.json
 # (updated after each conversion; a run's entry replaces the same run's from an earlier session).
@@ -28,7 +33,7 @@ cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
 tag="" tiny_data=() tiny_steps=() tiny_stages=() problems=${PROBLEMS:-30} eval_n=200 out=benchmarks/results/real
 splits=${EVAL_SPLITS-val test} with_risd=${RISD:-1} with_idlm=${IDLM:-1} with_mdm=${MDM:-0} with_refusion=${REFUSION:-0}
-refusion_val=${REFUSION_VAL:-10}
+refusion_val=${REFUSION_VAL:-10} with_jacobi=${JACOBI:-0} jacobi_val=${JACOBI_VAL:-10}
 mdm_attention=${MDM_ATTENTION:-block} mdm_tables=${MDM_TABLES:-flashdlm cover} mdm_rows=${MDM_ROWS:-all}
 cover_val=${COVER_VAL:-10}
 case $mdm_attention in
@@ -41,13 +46,13 @@ for table in $mdm_tables; do
   case $table in flashdlm|cover) ;; *) echo "MDM_TABLES: unknown table '$table' (flashdlm, cover)" >&2; exit 2 ;; esac
 done
 if [ "${1:-}" = "--smoke" ]; then
-  tag=_smoke problems=2 eval_n=2 cover_val=2 refusion_val=2 out=runs/smoke_results
+  tag=_smoke problems=2 eval_n=2 cover_val=2 refusion_val=2 jacobi_val=2 out=runs/smoke_results
   tiny_data=(trainer.micro_batch_size=2 data.max_train_samples=32 trainer.warmup_steps=0) tiny_steps=(trainer.max_steps=2)
   tiny_stages=("recipe.stages=[{name:stride2,max_steps:1,overrides:{stride:2,alpha:0.2}},{name:stride4,max_steps:1,overrides:{stride:4,alpha:null}}]")
 fi
 mkdir -p "$out"
 sft=runs/smollm2_sft_gpu$tag risd=runs/smollm2_risd_gpu$tag idlm=runs/smollm2_idlm_gpu$tag mdm=runs/${mdm_experiment}$tag
-refusion=runs/smollm2_refusion_gpu$tag
+refusion=runs/smollm2_refusion_gpu$tag jacobi=runs/smollm2_jacobi_forcing_gpu$tag
 last_stage=$([ -n "$tag" ] && echo 01-stride4 || echo 02-stride4)
 gpu=$($py -c "import torch; print(torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else 'cpu')")
 walls=runs/real_gpu_walls$tag.tsv  # <run> <wall seconds>, one line per finished training command
@@ -119,5 +124,18 @@ if [ "$with_refusion" = 1 ]; then
     --num-val "$refusion_val" --block-sizes 16 --first-tokens mask --thresholds 0.9 0.7 0.5 --max-drop 0.03 \
     --test-chosen-only --ablations kv_reuse --no-own-ar --goal-drop 0.03 --goal-reuse 2 --max-new-tokens 96 \
     --device auto --dtype float32 --threads 8 --out $out/gpu_refusion_$gpu$tag
+fi
+if [ "$with_jacobi" = 1 ]; then
+  smoke_prompts=()
+  [ -n "$tag" ] && smoke_prompts=("recipe.stages=[{name:round1,max_steps:2,overrides:{block_size:8,prompt_start:0,num_prompts:8}}]")
+  train $jacobi/stages/00-round1/DONE experiment=smollm2_jacobi_forcing_gpu experiment_name=smollm2_jacobi_forcing_gpu$tag \
+    model.path=$sft/hf "${tiny_data[@]}" "${smoke_prompts[@]}"
+  for mode in graphs eager; do
+    stamp "benchmark ($mode): AR greedy vs Jacobi / multi-block (Jacobi Forcing, n on $jacobi_val val problems), $problems test problems"
+    $py -m pardec.benchmarks.jacobi_forcing --base $sft/hf --round1 $jacobi/stages/00-round1/hf --wide-block-size 0 \
+      --num-samples "$problems" --num-val "$jacobi_val" --val-block-sizes 4 8 16 --no-training-table --no-bound \
+      --device auto --dtype float32 --threads 8 $([ $mode = graphs ] && echo --cuda-graphs) \
+      --out $out/gpu_jacobi_forcing_${mode}_$gpu$tag
+  done
 fi
 stamp "finished; conversion wall times: $out/gpu_conversions_$gpu.json"
