@@ -133,11 +133,17 @@ def test_ar_greedy_check_names_the_sample():
     model = tiny_model(VOCAB)
     prompt = PROMPTS[2]
     tokens = ar_greedy(model, prompt, 6, UNUSED_EOS)
-    assert check_ar_greedy(model, prompt, tokens, 0.0, "sample 7") == 0
+    other = PROMPTS[3]  # a longer prompt beside it: the batched check's padding must not matter
+    other_tokens = ar_greedy(model, other, 3, UNUSED_EOS)
+    names = ["sample 7", "sample 8"]
+    assert check_ar_greedy(model, [prompt, other], [tokens, other_tokens], 0.0, names) == [0, 0]
     bad = tokens[:-1] + [(tokens[-1] + 1) % VOCAB]  # only the last token is wrong
     with pytest.raises(TrajectoryError, match=r"sample 7: generated token 5 \(position 8\)"):
-        check_ar_greedy(model, prompt, bad, 0.0, "sample 7")
-    assert check_ar_greedy(model, prompt, bad, 1e9, "sample 7") == 1  # tolerated as a near-tie
+        check_ar_greedy(model, [prompt, other], [bad, other_tokens], 0.0, names)
+    assert check_ar_greedy(model, [prompt, other], [bad, other_tokens], 1e9, names) == [1, 0]  # a near-tie
+    bad_other = [(other_tokens[0] + 1) % VOCAB] + other_tokens[1:]  # the first token is wrong
+    with pytest.raises(TrajectoryError, match=r"sample 8: generated token 0 \(position 7\)"):
+        check_ar_greedy(model, [prompt, other], [tokens, bad_other], 0.0, names)
 
 
 def test_empty_prompt_is_named():

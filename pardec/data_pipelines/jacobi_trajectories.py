@@ -28,9 +28,9 @@ in lockstep, by :func:`jacobi_trajectories`, which changes neither a prompt's dr
    learns to emit EOS after the last full block). The cap: blocks are generated whole while fewer
    than ``max_new_tokens`` tokens exist, so a sample has at most ceil(max_new_tokens / n) blocks.
 
-Check: the generated tokens must be AR greedy output. After each prompt, one uncached causal
-forward over ``prompt + generated`` must give argmax == the next generated token at every
-position. A mismatch is a :class:`TrajectoryError` naming the sample and position, unless the
+Check: the generated tokens must be AR greedy output. After each batch, one uncached causal
+forward over every row's ``prompt + generated`` must give argmax == the next generated token at
+every position. A mismatch is a :class:`TrajectoryError` naming the sample and position, unless the
 chosen token's logit is within ``greedy_atol`` of the maximum (a numerical near-tie between the
 cached and uncached kernels, counted in ``near_ties``). ``greedy_atol=None`` means 0 for float32
 models and 0.5 (logit units) for 16-bit ones, where the two kernels round differently.
@@ -240,25 +240,33 @@ def jacobi_trajectories(
 
 
 @torch.no_grad()
-def check_ar_greedy(model, prompt_ids: Sequence[int], generated: Sequence[int], atol: float, where: str) -> int:
-    """One uncached causal forward over ``prompt + generated``; every generated token must be the
-    argmax at the position before it. Returns the number of near-ties (mismatches within ``atol``)."""
+def check_ar_greedy(model, prompts: Sequence[Sequence[int]], generated: Sequence[Sequence[int]], atol: float,
+                    names: Sequence[str]) -> list[int]:
+    """One uncached causal forward over every row's ``prompt + generated`` (left-padded, explicit
+    positions); every generated token must be the argmax at the position before it. Returns each
+    row's number of near-ties (mismatches within ``atol``); a mismatch beyond it is an error naming
+    the row (``names``) and the position."""
     device = next(model.parameters()).device
-    seq = list(prompt_ids) + list(generated)
-    tail = model(input_ids=torch.tensor([seq[:-1]], device=device), use_cache=False,
-                 logits_to_keep=len(generated)).logits[0].float()  # [g, V]: row i predicts generated[i]
-    chosen = torch.tensor(list(generated), device=device)
-    best = tail.argmax(-1)  # [g]
-    gap = tail.max(-1).values - tail.gather(-1, chosen[:, None]).squeeze(-1)  # [g]
-    mismatch = (best != chosen).nonzero().flatten().tolist()
-    for i in mismatch:
-        if gap[i] > atol:
-            raise TrajectoryError(
-                f"{where}: generated token {i} (position {len(prompt_ids) + i}) is {int(chosen[i])} from Jacobi "
-                f"decoding but AR greedy gives {int(best[i])} (logit gap {float(gap[i]):.4g} > greedy_atol={atol}); "
-                f"the converged blocks are not the AR greedy output"
-            )
-    return len(mismatch)
+    ids, mask = left_pad([list(p) + list(g)[:-1] for p, g in zip(prompts, generated, strict=True)], pad_id=0,
+                         device=device)  # [b, s]
+    keep = max(len(g) for g in generated)  # left padding: every row's generated tokens end the row
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                   use_cache=False, logits_to_keep=keep).logits.float()  # [b, keep, V]
+    near_ties = []
+    for row, (prompt, tokens, name) in enumerate(zip(prompts, generated, names, strict=True)):
+        tail = logits[row, keep - len(tokens):]  # [g, V]: row i predicts tokens[i]
+        chosen = torch.tensor(list(tokens), device=device)  # [g]
+        best = tail.argmax(-1)  # [g]
+        gap = tail.max(-1).values - tail.gather(-1, chosen[:, None]).squeeze(-1)  # [g]
+        mismatch = (best != chosen).nonzero().flatten().tolist()
+        for i in mismatch:
+            if gap[i] > atol:
+                raise TrajectoryError(
+                    f"{name}: generated token {i} (position {len(prompt) + i}) is {int(chosen[i])} from Jacobi "
+                    f"decoding but AR greedy gives {int(best[i])} (logit gap {float(gap[i]):.4g} > "
+                    f"greedy_atol={atol}); the converged blocks are not the AR greedy output")
+        near_ties.append(len(mismatch))
+    return near_ties
 
 
 def _resolve_atol(model, atol: float | None) -> float:
@@ -277,13 +285,11 @@ def collect_batch(model, indices: Sequence[int], prompts: Sequence[Sequence[int]
         raise TrajectoryError(f"sample {empty}: Jacobi collection needs at least one prompt token "
                               f"(got an empty prompt)")
     rngs = [np.random.default_rng([settings.seed, i]) for i in indices]
-    atol = _resolve_atol(model, settings.greedy_atol)
-    out = []
-    for index, row in zip(indices, jacobi_trajectories(model, prompts, settings, rngs), strict=True):
-        generated = [t for fp, v in zip(row["fixed_points"], row["valid_lens"]) for t in fp[:v]]
-        near_ties = check_ar_greedy(model, row["prompt_ids"], generated, atol, where=f"sample {index}")
-        out.append({"index": index, **row, "near_ties": near_ties})
-    return out
+    rows = jacobi_trajectories(model, prompts, settings, rngs)
+    generated = [[t for fp, v in zip(r["fixed_points"], r["valid_lens"]) for t in fp[:v]] for r in rows]
+    near_ties = check_ar_greedy(model, [r["prompt_ids"] for r in rows], generated,
+                                _resolve_atol(model, settings.greedy_atol), [f"sample {i}" for i in indices])
+    return [{"index": i, **r, "near_ties": k} for i, r, k in zip(indices, rows, near_ties, strict=True)]
 
 
 def collect_one(model, index: int, prompt_ids: Sequence[int], settings: CollectSettings) -> dict[str, Any]:
