@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pardec.trainers.checkpoint import file_digest
+from pardec.trainers.checkpoint import compute_checksums
 
 Records = dict[str, list[dict]]  # row key -> one record per problem (pardec.inference.evaluate's records)
 
@@ -47,8 +47,7 @@ def checkpoint_digest(path: str | Path) -> dict[str, str]:
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint {path} is not a directory")
-    return {str(f.relative_to(path)): file_digest(f)["sha256"]
-            for f in sorted(path.rglob("*")) if f.is_file() and f.name != "README.md"}
+    return {name: digest["sha256"] for name, digest in compute_checksums(path).items() if name != "README.md"}
 
 
 def run_in_chunks(problems, chunk_size: int, chunk_dir: str | Path, fingerprint: dict[str, Any],
