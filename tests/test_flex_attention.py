@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from pardec.common.attention import COMPILED_FLEX_BACKEND
 from pardec.common.errors import ConfigError
 from pardec.data_pipelines.idlm_batch import build_idlm_batch
 from pardec.data_pipelines.jacobi_batch import build_jacobi_batch
-from pardec.masks.core import COMPILED_FLEX_BACKEND, causal_document_spec, dense_additive_mask, flex_block_mask
+from pardec.masks.core import causal_document_spec, dense_additive_mask, flex_block_mask
 from pardec.methods.base import forward_logits, move_batch
 from pardec.models import flex_attention
 from pardec.models.flex_attention import compiled_flex_attention

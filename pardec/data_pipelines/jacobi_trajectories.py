@@ -52,7 +52,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,7 +65,10 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from pardec.common.attention import without_flex_attention
 from pardec.common.kv_cache import cached_step_attention, crop_cache, left_pad
+
+log = logging.getLogger(__name__)
 
 META_FILE = "meta.json"
 FORMAT_VERSION = 1
@@ -374,14 +379,16 @@ def collect_trajectories(
             if path.is_file():
                 continue
             lo, hi = shard * settings.shard_size, min((shard + 1) * settings.shard_size, len(prompts))
-            rows = []
-            with cached_step_attention():  # no cuDNN attention: a cached step's shape is new at every step
+            rows, start = [], time.perf_counter()
+            with cached_step_attention(), without_flex_attention(model):
                 for first in range(lo, hi, settings.batch_size):
                     batch = range(first, min(first + settings.batch_size, hi))
                     rows += collect_batch(model, list(batch), [prompts[i] for i in batch], settings)
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             datasets.Dataset.from_list(rows, features=FEATURES).to_parquet(str(tmp))
             os.replace(tmp, path)
+            log.info("trajectories: shard %d of %d (%d prompts) in %.1f s", shard + 1, total, hi - lo,
+                     time.perf_counter() - start)
     finally:
         model.train(was_training)
     return owned

@@ -31,6 +31,7 @@ import datasets
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from pardec.common.attention import without_flex_attention
 from pardec.common.distributed import DistInfo, current
 from pardec.common.errors import DataError
 from pardec.common.kv_cache import cached_step_attention
@@ -61,7 +62,8 @@ def evaluate_model(model, tokenizer, eval_dataset: datasets.Dataset, decoder_cfg
     mask_id = CheckpointMetadata.of_model(model).mask_token_id
     handle = forbid_output_token(model, mask_id) if mask_id is not None else None
     try:
-        return evaluate(model, tokenizer, eval_dataset, decoder_cfg, **kwargs).metrics
+        with without_flex_attention(model):  # a model loaded for training may hold FlexAttention (GPU)
+            return evaluate(model, tokenizer, eval_dataset, decoder_cfg, **kwargs).metrics
     finally:
         if handle is not None:
             handle.remove()

@@ -25,16 +25,13 @@ from typing import Callable, Mapping
 
 import torch
 
+from pardec.common.attention import FLEX_BACKENDS
 from pardec.common.errors import ConfigError
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 MaskFactory = Callable[..., MaskMod]
 
 DENSE_BACKENDS = ("sdpa", "eager")
-FLEX_BACKEND = "flex_attention"
-# pardec's FlexAttention entry (pardec/models/flex_attention.py): static-shape compile, in-kernel GQA.
-COMPILED_FLEX_BACKEND = "pardec_flex"
-FLEX_BACKENDS = (FLEX_BACKEND, COMPILED_FLEX_BACKEND)
 FLASH_BACKEND = "flash_attention_2"
 
 

@@ -40,7 +40,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flex_attention_mask
 
-from pardec.masks.core import COMPILED_FLEX_BACKEND
+from pardec.common.attention import COMPILED_FLEX_BACKEND
 
 
 # The kernel choice torch.compile's max-autotune picked for head size 64 in bf16 on an H200 (a Jacobi

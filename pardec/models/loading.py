@@ -24,11 +24,11 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from pardec.common.attention import COMPILED_FLEX_BACKEND, FLEX_BACKENDS
 from pardec.common.constants import MASK_TOKEN, METADATA_KEY
 from pardec.common.config_fields import Choice
 from pardec.common.errors import CheckpointError, ConfigError
 from pardec.common.metadata import CheckpointMetadata
-from pardec.masks.core import COMPILED_FLEX_BACKEND, FLEX_BACKENDS
 from pardec.models import flex_attention
 
 flex_attention.register()

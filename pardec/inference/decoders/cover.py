@@ -83,6 +83,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pardec.common.attention import attention_implementation
 from pardec.common.config_fields import Choice, ranged
 from pardec.inference.decoders.base import DecodeResult, LoopTimer, model_device
 from pardec.inference.decoders.mdm_common import (
@@ -229,13 +230,8 @@ class CoverDecoder(MDMDecoder):
         modules to non-causal; the previous attention implementation is restored on exit."""
         mdm_info(model, self.tokenizer)
         register()
-        previous = model.config._attn_implementation
-        model.set_attn_implementation(KV_OVERRIDE)
-        try:
-            with non_causal(model):
-                yield
-        finally:
-            model.set_attn_implementation(previous)
+        with attention_implementation(model, KV_OVERRIDE), non_causal(model):
+            yield
 
     @property
     def token_input(self) -> bool:
