@@ -24,7 +24,8 @@
 #   CUDA graph (--cuda-graphs), then eager.
 # Decoding is fp32, so "lossless" is checked token for token without bf16 rounding. Tables go to
 # benchmarks/results/real/gpu_*_<gpu>, the training commands' wall times to gpu_conversions_<gpu>.json
-# (updated after each conversion; a run's entry replaces the same run's from an earlier session).
+# (updated after each conversion; a run's entry replaces the same run's from an earlier session), their
+# whole output to runs/real_gpu_train.log (kept when a time limit stops a conversion).
 # --smoke runs every step with a few steps and problems under *_smoke names (a check of the script
 # itself, on any device).
 set -euo pipefail
@@ -56,6 +57,7 @@ refusion=runs/smollm2_refusion_gpu$tag jacobi=runs/smollm2_jacobi_forcing_gpu$ta
 last_stage=$([ -n "$tag" ] && echo 01-stride4 || echo 02-stride4)
 gpu=$($py -c "import torch; print(torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else 'cpu')")
 walls=runs/real_gpu_walls$tag.tsv  # <run> <wall seconds>, one line per finished training command
+train_log=runs/real_gpu_train$tag.log  # every training command's whole output (the screen gets its last lines)
 
 stamp() { echo "[$(date +%H:%M:%S)] $*"; }
 write_walls() {
@@ -72,7 +74,7 @@ train() {  # train <run dir> <overrides...>: skipped when the run (its last stag
   if [ -f "$done_file" ]; then stamp "done already: $done_file"; return; fi
   stamp "pardec-train $*"
   local start=$SECONDS
-  $py -m pardec.cli.train "$@" logging.progress_bar=false 2>&1 | grep -v -E "^\s*$" | tail -n 25
+  $py -m pardec.cli.train "$@" logging.progress_bar=false 2>&1 | tee -a "$train_log" | grep -v -E "^\s*$" | tail -n 25
   stamp "wall $((SECONDS - start)) s: $*"
   printf '%s\t%s\n' "$(basename "$(dirname "$done_file" | sed 's|/stages/.*||')")" $((SECONDS - start)) >>"$walls"
   write_walls
