@@ -18,28 +18,25 @@ def bench_row(decoder: str, identical: float, tpf: float, ratio: float) -> dict:
 
 @pytest.fixture
 def folders(tmp_path):
-    results, runs = tmp_path / "results", tmp_path / "runs"
+    results = tmp_path / "results"
     results.mkdir()
-    (runs / "reproduce_real").mkdir(parents=True)
-    (runs / "reproduce_real" / "steps.json").write_text(json.dumps({
-        "smollm2_risd": {"seconds": 3000.0, "finished": "2026-11-26 18:50:00"},
-        "smollm2_sft": {"seconds": 10.0, "finished": None},  # an unfinished attempt has no wall time
-    }))
+    (results / "cpu_conversions.json").write_text(json.dumps({  # smollm2_sft has no entry: never finished
+        "smollm2_risd": {"wall_seconds": 3000.0, "finished": "2026-11-26 18:50:00"}}))
     (results / "gpu_conversions_h100.json").write_text(json.dumps({"smollm2_risd_gpu": {"wall_seconds": 229}}))
-    return results, runs
+    return results
 
 
 def test_measured_rows_missing_rows_and_wall_times(folders, tmp_path):
-    results, runs = folders
+    results = folders
     (results / "cpu_risd.json").write_text(json.dumps([
         bench_row("AR greedy (base)", 1.0, 1.0, 1.0), bench_row("R-ISD N=3 greedy (gated LoRA)", 1.0, 2.4, 1.5)]))
-    real_summary.main(["--results-dir", str(results), "--runs-dir", str(runs), "--out-dir", str(tmp_path / "out"),
+    real_summary.main(["--results-dir", str(results), "--out-dir", str(tmp_path / "out"),
                        "--embedded", str(tmp_path / "absent.json")])
     table = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert [(r["method"], r["hardware"]) for r in table] == [("AR", real_summary.CPU), ("R-ISD", real_summary.CPU)]
     risd = table[1]
     assert risd["lossless_verified"] and risd["tps_ratio"] == 1.5 and risd["conversion_seconds"] == 3000.0
-    assert table[0]["conversion_seconds"] is None  # the SFT step never finished in the reproduce run
+    assert table[0]["conversion_seconds"] is None  # the SFT step has no recorded time
     md = (tmp_path / "out" / "summary.md").read_text()
     assert "| 200 | 70.0% |" in md and "50.0 min" in md
     assert "Not measured yet:" in md and "(H100): `PROBLEMS=30 bash scripts/real_model_gpu.sh" in md
@@ -47,10 +44,10 @@ def test_measured_rows_missing_rows_and_wall_times(folders, tmp_path):
 
 
 def test_a_claim_below_100_percent_is_not_verified(folders, tmp_path):
-    results, runs = folders
+    results = folders
     (results / "gpu_risd_h100.json").write_text(json.dumps([
         bench_row("AR greedy (base)", 1.0, 1.0, 1.0), bench_row("R-ISD N=3 greedy (gated LoRA)", 0.95, 2.8, 1.0)]))
-    table, missing = real_summary.build(results, real_summary.conversion_seconds(runs, results))
+    table, missing = real_summary.build(results, real_summary.conversion_seconds(results))
     risd = table[1]
     assert not risd["lossless_verified"] and risd["lossless"] == "claimed (= base AR) but 95.0% identical"
     assert risd["conversion_seconds"] == 229  # read as smollm2_risd_gpu@h100
@@ -63,9 +60,9 @@ def test_a_claim_below_100_percent_is_not_verified(folders, tmp_path):
 
 
 def test_no_results_and_a_missing_row_are_named(folders, tmp_path):
-    results, runs = folders
+    results = folders
     with pytest.raises(SystemExit, match="reproduce.sh --real"):
-        real_summary.main(["--results-dir", str(results), "--runs-dir", str(runs), "--out-dir", str(tmp_path)])
+        real_summary.main(["--results-dir", str(results), "--out-dir", str(tmp_path)])
     (results / "cpu_risd.json").write_text(json.dumps([bench_row("AR greedy (base)", 1.0, 1.0, 1.0)]))
     with pytest.raises(SystemExit, match="no row 'R-ISD N=3 greedy"):
         real_summary.build(results, {})
@@ -74,7 +71,7 @@ def test_no_results_and_a_missing_row_are_named(folders, tmp_path):
 def test_refusion_row_is_the_setting_chosen_on_validation(folders):
     """The ReFusion benchmark's JSON is a dict: its test rows, and the label of the setting it chose on
     val; the row makes no lossless claim, and "= own AR" may be absent (--no-own-ar)."""
-    results, runs = folders
+    results = folders
     chosen, other = "ReFusion b=16 tau=0.7 first_token=mask", "ReFusion b=16 tau=0.5 first_token=mask"
     rows = [bench_row("AR greedy (base)", 1.0, 1.0, 1.0), bench_row(other, 0.2, 3.1, 2.0),
             bench_row(chosen, 0.3, 2.6, 1.8)]
@@ -89,7 +86,7 @@ def test_refusion_row_is_the_setting_chosen_on_validation(folders):
 
 def test_isd_and_jacobi_rows_are_at_the_n_chosen_on_validation(folders):
     """idlm_isd --num-val and jacobi_forcing --num-val write dicts: the test rows and what val chose."""
-    results, _ = folders
+    results = folders
     isd = [bench_row("AR greedy (base)", 1.0, 1.0, 1.0), bench_row("AR greedy (I-DLM ckpt)", 0.5, 1.0, 1.0),
            bench_row("ISD N=3 greedy", 0.5, 2.4, 1.6)]
     (results / "cpu_idlm.json").write_text(json.dumps({"chosen_stride": 3, "validation": [], "test": isd}))
@@ -107,7 +104,7 @@ def test_isd_and_jacobi_rows_are_at_the_n_chosen_on_validation(folders):
 
 
 def test_a_missing_chosen_row_is_listed_by_its_short_name(folders):
-    results, _ = folders
+    results = folders
     table, missing = real_summary.build(results, {})
     text = real_summary.markdown(table, missing)
     assert "- ReFusion, ReFusion on the CPU SFT base, ReFusion (chosen on val) (CPU, 2 cores)" in text
@@ -138,7 +135,7 @@ def test_mdm_attention_chosen_on_val(tmp_path, block, bidir, chosen):
 def test_cover_rows_take_tps_over_base_ar_when_the_table_has_an_ar_row(folders):
     """A COVER table run with --base has TPS / base AR per row (the summary shows it); one without has
     none ("—"), never a ratio to another run's AR."""
-    results, runs = folders
+    results = folders
     test = [{"decoder": d, "accuracy": 0.05, "tpf": 2.0, "num_samples": 20, "tps": 5.0} for d in
             ("WINO 0.6 / 0.9", "Saber n=2 / mu=8", "COVER tau=0.7", "COVER tau=0.7 without override")]
     (results / "gpu_cover_block32_h200.json").write_text(json.dumps({"test": test}))

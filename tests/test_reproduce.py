@@ -102,3 +102,18 @@ def test_real_pipeline_keeps_its_own_state_and_runs_steps_on_two_threads(pipelin
     (pipeline / "runs/reproduce_real/threads.done").unlink()
     reproduce.main(["--real", "--threads", "1"])
     assert (pipeline / "omp").read_text() == "21"
+
+
+def test_real_conversions_keep_their_wall_time_with_the_results(pipeline, monkeypatch):
+    """--real records each finished training step's wall seconds in benchmarks/results/real/cpu_conversions.json
+    (committed: runs/ may not outlive the machine), keeping other entries; benchmarks are not recorded."""
+    train, bench = reproduce.STEPS
+    monkeypatch.setattr(reproduce, "REAL_STEPS", (train, bench))
+    path = pipeline / reproduce.REAL_CONVERSIONS
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"earlier": {"wall_seconds": 60.0, "finished": "2026-11-26 10:00:00"}}))
+    reproduce.main(["--real"])
+    times = json.loads(path.read_text())
+    assert set(times) == {"earlier", "conv"} and times["earlier"]["wall_seconds"] == 60.0
+    assert times["conv"]["wall_seconds"] == json.loads((pipeline / "runs/reproduce_real/steps.json").read_text())[
+        "conv"]["seconds"]

@@ -3,9 +3,9 @@
 
 Nothing is measured here: the rows are read from the JSON the real-model benchmarks wrote under
 ``benchmarks/results/real/`` (the same columns as the embedded summary, ``pardec.benchmarks.summary``,
-plus the hardware and the number of test problems), the CPU conversion wall times from the reproduce
-driver's ``runs/reproduce_real/steps.json`` and the GPU ones from the ``gpu_conversions_<gpu>.json`` the
-GPU run left (``scripts/real_model_gpu.sh``). A row whose benchmark has not been run yet is listed
+plus the hardware and the number of test problems), the CPU conversion wall times from the
+``cpu_conversions.json`` the reproduce driver keeps there (``pardec.cli.reproduce --real``) and the GPU
+ones from the ``gpu_conversions_<gpu>.json`` the GPU runs left (``scripts/real_model_gpu.sh``). A row whose benchmark has not been run yet is listed
 below the table with the command that makes it, so the table grows as conversions land. Below it, once
 both val tables exist, the MDM attention (block-causal or bidirectional) chosen on val.
 
@@ -130,14 +130,14 @@ ROWS: tuple[RealRow, ...] = (
 )
 
 
-def conversion_seconds(runs_dir: Path, results_dir: Path) -> dict[str, float]:
-    """Wall seconds per conversion: finished steps of the CPU reproduce run (keyed by experiment), then
-    each GPU run's ``gpu_conversions_<gpu>.json`` (keyed ``<experiment>@<gpu>``: each GPU run trains
+def conversion_seconds(results_dir: Path) -> dict[str, float]:
+    """Wall seconds per conversion: the CPU reproduce run's ``cpu_conversions.json`` (keyed by experiment),
+    then each GPU run's ``gpu_conversions_<gpu>.json`` (keyed ``<experiment>@<gpu>``: each GPU run trains
     its own base)."""
     seconds: dict[str, float] = {}
-    steps = runs_dir / "reproduce_real" / "steps.json"
-    if steps.is_file():
-        seconds.update({k: v["seconds"] for k, v in json.loads(steps.read_text()).items() if v.get("finished")})
+    cpu = results_dir / "cpu_conversions.json"
+    if cpu.is_file():
+        seconds.update({k: v["wall_seconds"] for k, v in json.loads(cpu.read_text()).items()})
     for path in sorted(results_dir.glob("gpu_conversions_*.json")):
         gpu = path.stem.removeprefix("gpu_conversions_")
         seconds.update({f"{k}@{gpu}": v["wall_seconds"] for k, v in json.loads(path.read_text()).items()})
@@ -274,11 +274,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results-dir", type=Path, default=REAL_RESULTS, help="where the real-model benchmarks wrote")
     p.add_argument("--embedded", type=Path, default=RESULTS / "summary.json", help="the embedded summary's JSON")
-    p.add_argument("--runs-dir", type=Path, default=Path("runs"), help="holds reproduce_real/steps.json")
     p.add_argument("--out-dir", type=Path, default=REAL_RESULTS)
     args = p.parse_args(argv)
 
-    table, missing = build(args.results_dir, conversion_seconds(args.runs_dir, args.results_dir))
+    table, missing = build(args.results_dir, conversion_seconds(args.results_dir))
     if not table:
         raise SystemExit(f"no real-model results in {args.results_dir}: run `bash scripts/reproduce.sh --real`")
     md = markdown(table, missing)
@@ -288,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "summary.md").write_text(
         "Command: python -m pardec.benchmarks.real_summary (reads the real-model benchmarks' JSON in this folder, "
-        "runs/reproduce_real/steps.json and gpu_conversions_*.json; see the module docstring)\n\n" + md + "\n")
+        "cpu_conversions.json and gpu_conversions_*.json; see the module docstring)\n\n" + md + "\n")
     (args.out_dir / "summary.json").write_text(json.dumps(table, indent=2) + "\n")
     embedded = json.loads(args.embedded.read_text()) if args.embedded.is_file() else []
     plot(embedded, table, args.out_dir / "summary.png")

@@ -16,7 +16,8 @@ The run is resumable: a training step is done when its run directory holds ``DON
 itself resumes an interrupted run from its last checkpoint); a benchmark step is done when
 ``runs/reproduce/<step>.done`` records the same inputs (the ``DONE`` files of the runs it reads) and
 the same command as now, so a re-trained conversion, or a benchmark whose arguments changed, is run again. Wall time per step is printed and kept in
-``runs/reproduce/steps.json``. Everything is relative to the working directory, the repository
+``runs/reproduce/steps.json``; the real pipeline's conversion times also in
+``benchmarks/results/real/cpu_conversions.json`` (committed with the results). Everything is relative to the working directory, the repository
 root when started by ``scripts/reproduce.sh`` (it writes the repository's ``benchmarks/results/``).
 """
 
@@ -35,6 +36,9 @@ from pathlib import Path
 
 STATE = Path("runs/reproduce")
 REAL_STATE = Path("runs/reproduce_real")
+# The real pipeline's conversion wall times, kept with its results (runs/ may not outlive the machine);
+# read by pardec.benchmarks.real_summary. A conversion trained again replaces its entry.
+REAL_CONVERSIONS = Path("benchmarks/results/real/cpu_conversions.json")
 PY = [sys.executable]
 TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
@@ -242,6 +246,16 @@ def record(state: Path, name: str, seconds: float, finished: bool) -> None:
     tmp.replace(path)
 
 
+def save_conversion_time(path: Path, name: str, seconds: float) -> None:
+    """Record a finished conversion's wall seconds (all its attempts) in ``path``, keeping the others."""
+    times = json.loads(path.read_text()) if path.is_file() else {}
+    times[name] = {"wall_seconds": round(seconds, 1), "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(times, indent=2) + "\n")
+    tmp.replace(path)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--real", action="store_true", help="the real-model pipeline (SmolLM2-135M-Instruct)")
@@ -270,6 +284,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[{i}/{len(steps)}] {step.name}: done, skipped", flush=True)
             continue
         seconds = run_step(step, i, len(steps), args.heartbeat, state, threads)
+        if args.real and step.run_dir is not None:
+            save_conversion_time(REAL_CONVERSIONS, step.name, seconds)
         print(f"[{i}/{len(steps)}] {step.name}: finished in {seconds / 60:.1f} min", flush=True)
     table = "benchmarks/results/real/summary.md" if args.real else "benchmarks/results/summary.md"
     print(f"all steps done ({(time.perf_counter() - wall) / 60:.1f} min this invocation; per-step times in "
