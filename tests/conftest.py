@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
@@ -141,3 +142,25 @@ def save_chat_checkpoint(path: Path, seed: int = 0, tie: bool = True) -> Path:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+class FlexCalled(Exception):
+    """Raised by the ``flex_called`` fixture's stand-in for pardec's FlexAttention."""
+
+
+@pytest.fixture
+def flex_called(monkeypatch):
+    """``pardec_flex`` registered with its attention function replaced, for this test, by one that
+    raises :class:`FlexCalled`: a model set to it shows whether a forward went through FlexAttention
+    without compiling anything. Returns the exception class."""
+    from transformers import AttentionInterface
+
+    from pardec.common.attention import COMPILED_FLEX_BACKEND
+    from pardec.models.flex_attention import register
+
+    def spy(*args, **kwargs):
+        raise FlexCalled
+
+    register()
+    monkeypatch.setitem(AttentionInterface._global_mapping, COMPILED_FLEX_BACKEND, spy)
+    return FlexCalled

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import pardec.data_pipelines.jacobi_trajectories as jt
+from pardec.common.attention import COMPILED_FLEX_BACKEND
 from pardec.data_pipelines.jacobi_trajectories import (
     CollectSettings,
     TrajectoryError,
@@ -193,30 +194,16 @@ def test_resuming_with_other_settings_is_an_error(tmp_path):
         collect_trajectories(model, PROMPTS[1:3], tmp_path, settings(2, max_new=4))
 
 
-def test_collection_runs_a_flex_model_with_sdpa_and_gives_its_backend_back(tmp_path, monkeypatch):
+def test_collection_runs_a_flex_model_with_sdpa_and_gives_its_backend_back(tmp_path, flex_called):
     """The trainer loads Jacobi Forcing models with FlexAttention on GPU, compiled for every new shape:
     collection must not call it (its rows equal an SDPA model's), and the model trains with it after."""
-    from transformers import AttentionInterface
-
-    from pardec.common.attention import COMPILED_FLEX_BACKEND
-    from pardec.models.flex_attention import register
-
-    class FlexCalled(Exception):
-        pass
-
-    def flex_spy(*args, **kwargs):
-        raise FlexCalled
-
-    register()
-
-    monkeypatch.setitem(AttentionInterface._global_mapping, COMPILED_FLEX_BACKEND, flex_spy)
     model = tiny_model(VOCAB)
     collect_trajectories(model, PROMPTS, tmp_path / "sdpa", settings(3, max_new=6, batch_size=2))
     model.set_attn_implementation(COMPILED_FLEX_BACKEND)
     collect_trajectories(model, PROMPTS, tmp_path / "flex", settings(3, max_new=6, batch_size=2))
     assert _rows(load_trajectories(tmp_path / "flex")) == _rows(load_trajectories(tmp_path / "sdpa"))
     assert model.config._attn_implementation == COMPILED_FLEX_BACKEND
-    with pytest.raises(FlexCalled):  # the restored backend is the one a forward runs
+    with pytest.raises(flex_called):  # the restored backend is the one a forward runs
         model(input_ids=torch.tensor([PROMPTS[0]]))
 
 

@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 import pardec.cli.validate  # noqa: F401  (registers the validate_schema config node)
+from pardec.common.attention import COMPILED_FLEX_BACKEND
 from pardec.common.errors import ConfigError, DataError
 from pardec.inference.config import validate_validate_config
 from pardec.inference.evaluate import encode_prompt, evaluate, evaluate_model
@@ -35,23 +36,10 @@ def eval_set(rows=EVAL_ROWS) -> datasets.Dataset:
     return datasets.Dataset.from_list(rows)
 
 
-def test_evaluate_model_decodes_a_flex_model_with_sdpa(tok_model, monkeypatch):
+def test_evaluate_model_decodes_a_flex_model_with_sdpa(tok_model, flex_called):
     """In-training evaluation gets the training model, loaded with FlexAttention on GPU (compiled for
     every new shape): it decodes with SDPA (the same metrics as an SDPA model) and hands the model back
     with FlexAttention."""
-    from transformers import AttentionInterface
-
-    from pardec.common.attention import COMPILED_FLEX_BACKEND
-    from pardec.models.flex_attention import register
-
-    class FlexCalled(Exception):
-        pass
-
-    def flex_spy(*args, **kwargs):
-        raise FlexCalled
-
-    register()
-    monkeypatch.setitem(AttentionInterface._global_mapping, COMPILED_FLEX_BACKEND, flex_spy)
     tok, _ = tok_model
     model = tiny_model(len(tok))
     decoder = {"name": "ar", "max_new_tokens": 6, "batch_size": 3}
@@ -61,7 +49,7 @@ def test_evaluate_model_decodes_a_flex_model_with_sdpa(tok_model, monkeypatch):
     assert {k: v for k, v in got.items() if k not in TIMING_KEYS} == {
         k: v for k, v in expected.items() if k not in TIMING_KEYS}
     assert model.config._attn_implementation == COMPILED_FLEX_BACKEND
-    with pytest.raises(FlexCalled):
+    with pytest.raises(flex_called):
         model(input_ids=torch.tensor([[1, 2, 3]]))
 
 
