@@ -236,24 +236,25 @@ def step_times(state: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def set_entry(path: Path, name: str, entry: dict) -> None:
+    """Write ``entry`` under ``name`` in the JSON object at ``path`` (atomically), keeping the other names."""
+    entries = json.loads(path.read_text()) if path.is_file() else {}
+    entries[name] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(entries, indent=2) + "\n")
+    tmp.replace(path)
+
+
 def record(state: Path, name: str, seconds: float, finished: bool) -> None:
     """Wall seconds of a step over all its attempts; ``finished`` is the time it completed, or null."""
-    steps = step_times(state)
-    steps[name] = {"seconds": round(seconds, 1), "finished": time.strftime("%Y-%m-%d %H:%M:%S") if finished else None}
-    path = state / "steps.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(steps, indent=2) + "\n")
-    tmp.replace(path)
+    set_entry(state / "steps.json", name, {"seconds": round(seconds, 1),
+                                           "finished": time.strftime("%Y-%m-%d %H:%M:%S") if finished else None})
 
 
 def save_conversion_time(path: Path, name: str, seconds: float) -> None:
     """Record a finished conversion's wall seconds (all its attempts) in ``path``, keeping the others."""
-    times = json.loads(path.read_text()) if path.is_file() else {}
-    times[name] = {"wall_seconds": round(seconds, 1), "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(times, indent=2) + "\n")
-    tmp.replace(path)
+    set_entry(path, name, {"wall_seconds": round(seconds, 1), "finished": time.strftime("%Y-%m-%d %H:%M:%S")})
 
 
 def main(argv: list[str] | None = None) -> None:
