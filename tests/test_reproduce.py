@@ -104,16 +104,22 @@ def test_real_pipeline_keeps_its_own_state_and_runs_steps_on_two_threads(pipelin
     assert (pipeline / "omp").read_text() == "21"
 
 
-def test_real_conversions_keep_their_wall_time_with_the_results(pipeline, monkeypatch):
-    """--real records each finished training step's wall seconds in benchmarks/results/real/cpu_conversions.json
-    (committed: runs/ may not outlive the machine), keeping other entries; benchmarks are not recorded."""
+@pytest.mark.parametrize("real", [False, True])
+def test_conversions_keep_their_wall_time_with_the_results(pipeline, monkeypatch, real):
+    """Each finished training step's wall seconds go to the pipeline's cpu_conversions.json under
+    benchmarks/results/ (committed: runs/ may not outlive the machine), keeping other entries;
+    benchmarks are not recorded."""
     train, bench = reproduce.STEPS
     monkeypatch.setattr(reproduce, "REAL_STEPS", (train, bench))
-    path = pipeline / reproduce.REAL_CONVERSIONS
+    path, state = ((reproduce.REAL_CONVERSIONS, "runs/reproduce_real") if real
+                   else (reproduce.CONVERSIONS, "runs/reproduce"))
+    path = pipeline / path
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"earlier": {"wall_seconds": 60.0, "finished": "2026-11-26 10:00:00"}}))
-    reproduce.main(["--real"])
+    reproduce.main(["--real"] if real else [])
     times = json.loads(path.read_text())
     assert set(times) == {"earlier", "conv"} and times["earlier"]["wall_seconds"] == 60.0
-    assert times["conv"]["wall_seconds"] == json.loads((pipeline / "runs/reproduce_real/steps.json").read_text())[
+    assert times["conv"]["wall_seconds"] == json.loads((pipeline / state / "steps.json").read_text())[
         "conv"]["seconds"]
+    other = reproduce.CONVERSIONS if real else reproduce.REAL_CONVERSIONS
+    assert not (pipeline / other).exists()

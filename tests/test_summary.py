@@ -119,25 +119,23 @@ def test_a_missing_row_names_the_label(tmp_path):
         summary.build(summary.load_sources(results), {})
 
 
-def test_conversion_times_come_from_finished_reproduce_steps(tmp_path):
-    (tmp_path / "reproduce").mkdir()
-    (tmp_path / "reproduce" / "steps.json").write_text(json.dumps({
-        "idlm_default": {"seconds": 600.0, "finished": "2026-11-24 10:00:00"},
-        "mdm_default": {"seconds": 99.0, "finished": None},  # killed attempt, not finished
+def test_conversion_times_come_from_the_results_cpu_conversions(tmp_path):
+    """Read from the committed results (runs/ may not outlive the machine), keyed by experiment."""
+    (tmp_path / "cpu_conversions.json").write_text(json.dumps({
+        "idlm_default": {"wall_seconds": 600.0, "finished": "2026-11-24 10:00:00"},
+        "mdm_default": {"wall_seconds": 99.0, "source": "seeded"},
     }))
-    seconds = summary.conversion_seconds(tmp_path)
-    assert seconds == {"idlm_default": 600.0}
+    assert summary.conversion_seconds(tmp_path) == {"idlm_default": 600.0, "mdm_default": 99.0}
     assert summary.conversion_seconds(tmp_path / "nowhere") == {}
 
 
 def test_main_writes_table_json_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     results, _ = write_results(tmp_path)
-    (tmp_path / "runs" / "reproduce").mkdir(parents=True)
-    (tmp_path / "runs" / "reproduce" / "steps.json").write_text(json.dumps(
-        {"idlm_default": {"seconds": 600.0, "finished": "2026-11-24 10:00:00"}}))
+    (results / "cpu_conversions.json").write_text(json.dumps(
+        {"idlm_default": {"wall_seconds": 600.0, "finished": "2026-11-24 10:00:00"}}))
     out = tmp_path / "out"
-    summary.main(["--results-dir", str(results), "--runs-dir", str(tmp_path / "runs"), "--out-dir", str(out)])
+    summary.main(["--results-dir", str(results), "--out-dir", str(out)])
     md = (out / "summary.md").read_text()
     saved = json.loads((out / "summary.json").read_text())
     assert len(saved) == len(summary.ROWS)

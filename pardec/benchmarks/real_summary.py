@@ -24,6 +24,7 @@ from pathlib import Path
 
 from pardec.benchmarks.common import RESULTS
 from pardec.benchmarks.summary import SOURCES, cover_chosen, lossless_status, minutes, refusion_chosen
+from pardec.benchmarks.summary import conversion_seconds as cpu_conversion_seconds
 
 REAL_RESULTS = RESULTS / "real"
 
@@ -134,10 +135,7 @@ def conversion_seconds(results_dir: Path) -> dict[str, float]:
     """Wall seconds per conversion: the CPU reproduce run's ``cpu_conversions.json`` (keyed by experiment),
     then each GPU run's ``gpu_conversions_<gpu>.json`` (keyed ``<experiment>@<gpu>``: each GPU run trains
     its own base)."""
-    seconds: dict[str, float] = {}
-    cpu = results_dir / "cpu_conversions.json"
-    if cpu.is_file():
-        seconds.update({k: v["wall_seconds"] for k, v in json.loads(cpu.read_text()).items()})
+    seconds = cpu_conversion_seconds(results_dir)
     for path in sorted(results_dir.glob("gpu_conversions_*.json")):
         gpu = path.stem.removeprefix("gpu_conversions_")
         seconds.update({f"{k}@{gpu}": v["wall_seconds"] for k, v in json.loads(path.read_text()).items()})

@@ -3,7 +3,7 @@
 
 Nothing is measured here: the rows are read from the JSON that each method's benchmark wrote
 (``benchmarks/results/<benchmark>.json``), so the table shows exactly what those benchmarks printed,
-and the conversion wall times from the reproduce driver's ``runs/reproduce/steps.json``.
+and the conversion wall times from ``cpu_conversions.json`` beside them (written by the reproduce driver).
 
 Columns:
 - accuracy: exact ``#### n`` on the benchmark's held-out test problems (200 by default);
@@ -130,12 +130,13 @@ def load_sources(results_dir: Path) -> dict[str, object]:
     return data
 
 
-def conversion_seconds(runs_dir: Path) -> dict[str, float]:
-    """Wall seconds of each finished reproduce step ({} when the reproduce driver was not run)."""
-    path = runs_dir / "reproduce" / "steps.json"
+def conversion_seconds(results_dir: Path) -> dict[str, float]:
+    """Wall seconds of each conversion the reproduce driver finished, from ``cpu_conversions.json`` in
+    ``results_dir`` (keyed by experiment; {} when it has not run there)."""
+    path = results_dir / "cpu_conversions.json"
     if not path.is_file():
         return {}
-    return {name: s["seconds"] for name, s in json.loads(path.read_text()).items() if s.get("finished")}
+    return {name: entry["wall_seconds"] for name, entry in json.loads(path.read_text()).items()}
 
 
 def lossless_status(row: Row, base_identity: float | None, own_identity: float | None) -> tuple[bool, str]:
@@ -242,16 +243,15 @@ def plot(table: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results-dir", type=Path, default=RESULTS, help="where the benchmarks wrote their JSON")
-    p.add_argument("--runs-dir", type=Path, default=Path("runs"), help="holds reproduce/steps.json")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     args = p.parse_args(argv)
 
-    table = build(load_sources(args.results_dir), conversion_seconds(args.runs_dir))
+    table = build(load_sources(args.results_dir), conversion_seconds(args.results_dir))
     md = markdown(table)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "summary.md").write_text(
-        "Command: python -m pardec.benchmarks.summary (reads the benchmarks' JSON in this folder and "
-        "runs/reproduce/steps.json; see the module docstring for the columns)\n\n" + md + "\n")
+        "Command: python -m pardec.benchmarks.summary (reads the benchmarks' JSON and cpu_conversions.json in this folder; "
+        "see the module docstring for the columns)\n\n" + md + "\n")
     (args.out_dir / "summary.json").write_text(json.dumps(table, indent=2) + "\n")
     plot(table, args.out_dir / "summary.png")
     print(md)

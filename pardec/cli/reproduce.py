@@ -16,8 +16,8 @@ The run is resumable: a training step is done when its run directory holds ``DON
 itself resumes an interrupted run from its last checkpoint); a benchmark step is done when
 ``runs/reproduce/<step>.done`` records the same inputs (the ``DONE`` files of the runs it reads) and
 the same command as now, so a re-trained conversion, or a benchmark whose arguments changed, is run again. Wall time per step is printed and kept in
-``runs/reproduce/steps.json``; the real pipeline's conversion times also in
-``benchmarks/results/real/cpu_conversions.json`` (committed with the results). Everything is relative to the working directory, the repository
+``runs/reproduce/steps.json``; the conversions' times also in ``benchmarks/results/cpu_conversions.json``
+(``benchmarks/results/real/`` for ``--real``), committed with the results. Everything is relative to the working directory, the repository
 root when started by ``scripts/reproduce.sh`` (it writes the repository's ``benchmarks/results/``).
 """
 
@@ -36,8 +36,9 @@ from pathlib import Path
 
 STATE = Path("runs/reproduce")
 REAL_STATE = Path("runs/reproduce_real")
-# The real pipeline's conversion wall times, kept with its results (runs/ may not outlive the machine);
-# read by pardec.benchmarks.real_summary. A conversion trained again replaces its entry.
+# Each pipeline's conversion wall times, kept with its results (runs/ may not outlive the machine);
+# read by pardec.benchmarks.summary and real_summary. A conversion trained again replaces its entry.
+CONVERSIONS = Path("benchmarks/results/cpu_conversions.json")
 REAL_CONVERSIONS = Path("benchmarks/results/real/cpu_conversions.json")
 PY = [sys.executable]
 TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -285,8 +286,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[{i}/{len(steps)}] {step.name}: done, skipped", flush=True)
             continue
         seconds = run_step(step, i, len(steps), args.heartbeat, state, threads)
-        if args.real and step.run_dir is not None:
-            save_conversion_time(REAL_CONVERSIONS, step.name, seconds)
+        if step.run_dir is not None:
+            save_conversion_time(REAL_CONVERSIONS if args.real else CONVERSIONS, step.name, seconds)
         print(f"[{i}/{len(steps)}] {step.name}: finished in {seconds / 60:.1f} min", flush=True)
     table = "benchmarks/results/real/summary.md" if args.real else "benchmarks/results/summary.md"
     print(f"all steps done ({(time.perf_counter() - wall) / 60:.1f} min this invocation; per-step times in "
