@@ -244,7 +244,8 @@ def plot(embedded: list[dict], real: list[dict], path: Path) -> None:
         if shown:
             ratios, accuracies = [r["tps_ratio"] for r in shown], [100 * r["accuracy"] for r in shown]
             ax.set_xlim(min(0.5, min(ratios) - 0.1), max(ratios) + 0.3)
-            ax.set_ylim(min(accuracies) - 3, min(101.0, max(accuracies) + 2))
+            top = max(accuracies)
+            ax.set_ylim(min(accuracies) - 3, top + (4 if top > 99 else 2))  # labels of 100% points go above
         for r in shown:
             gpu = r.get("hardware", CPU) != CPU
             colour = colours[r["method"]]
