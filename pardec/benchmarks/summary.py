@@ -250,8 +250,8 @@ def main(argv: list[str] | None = None) -> None:
     md = markdown(table)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "summary.md").write_text(
-        "Command: python -m pardec.benchmarks.summary (reads the benchmarks' JSON and cpu_conversions.json in this folder; "
-        "see the module docstring for the columns)\n\n" + md + "\n")
+        "Command: python -m pardec.benchmarks.summary (reads the benchmarks' JSON and cpu_conversions.json in "
+        "this folder; see the module docstring for the columns)\n\n" + md + "\n")
     (args.out_dir / "summary.json").write_text(json.dumps(table, indent=2) + "\n")
     plot(table, args.out_dir / "summary.png")
     print(md)

@@ -17,8 +17,8 @@ itself resumes an interrupted run from its last checkpoint); a benchmark step is
 ``runs/reproduce/<step>.done`` records the same inputs (the ``DONE`` files of the runs it reads) and
 the same command as now, so a re-trained conversion, or a benchmark whose arguments changed, is run again. Wall time per step is printed and kept in
 ``runs/reproduce/steps.json``; the conversions' times also in ``benchmarks/results/cpu_conversions.json``
-(``benchmarks/results/real/`` for ``--real``), committed with the results. Everything is relative to the working directory, the repository
-root when started by ``scripts/reproduce.sh`` (it writes the repository's ``benchmarks/results/``).
+(``benchmarks/results/real/`` for ``--real``), committed with the results. Everything is relative to the
+working directory, the repository root when started by ``scripts/reproduce.sh`` (it writes the repository's ``benchmarks/results/``).
 """
 
 from __future__ import annotations
@@ -267,7 +267,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="OMP_NUM_THREADS of every step (default: 1 for the embedded pipeline, 2 for --real)")
     args = parser.parse_args(argv)
-    all_steps, state = (REAL_STEPS, REAL_STATE) if args.real else (STEPS, STATE)
+    all_steps, state, conversions = ((REAL_STEPS, REAL_STATE, REAL_CONVERSIONS) if args.real
+                                     else (STEPS, STATE, CONVERSIONS))
     threads = args.threads or (2 if args.real else 1)
     names = [s.name for s in all_steps]
     unknown = sorted(set(args.only or ()) - set(names))
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         seconds = run_step(step, i, len(steps), args.heartbeat, state, threads)
         if step.run_dir is not None:
-            save_conversion_time(REAL_CONVERSIONS if args.real else CONVERSIONS, step.name, seconds)
+            save_conversion_time(conversions, step.name, seconds)
         print(f"[{i}/{len(steps)}] {step.name}: finished in {seconds / 60:.1f} min", flush=True)
     table = "benchmarks/results/real/summary.md" if args.real else "benchmarks/results/summary.md"
     print(f"all steps done ({(time.perf_counter() - wall) / 60:.1f} min this invocation; per-step times in "
