@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 
 import pytest
 
@@ -123,3 +124,14 @@ def test_conversions_keep_their_wall_time_with_the_results(pipeline, monkeypatch
         "conv"]["seconds"]
     other = reproduce.CONVERSIONS if real else reproduce.REAL_CONVERSIONS
     assert not (pipeline / other).exists()
+
+
+def test_progress_line_skips_python_warnings(tmp_path):
+    log = tmp_path / "step.log"
+    warning = warnings.formatwarning("`past_key_values` is deprecated", FutureWarning, "/m/module.py", 1789,
+                                     "return forward_call(*args, **kwargs)")
+    log.write_text("Loading weights: 50%\rLoading weights: 100%\n" + warning + "\n")
+    assert reproduce.last_line(log) == "Loading weights: 100%"
+    log.write_text(log.read_text() + "step 10 loss 1.97\n")
+    assert reproduce.last_line(log) == "step 10 loss 1.97"
+    assert reproduce.last_line(tmp_path / "missing.log") == ""

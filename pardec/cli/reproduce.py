@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -186,14 +187,26 @@ def mark_done(step: Step, state: Path) -> None:
         tmp.replace(marker)
 
 
+WARNING_HEADER = re.compile(r":\d+: \w*Warning: ")
+
+
 def last_line(path: Path) -> str:
+    """The log's last progress line: Python warnings (a ``file:line: XWarning: ...`` header and the
+    indented source line after it) are skipped, so a deprecation warning does not stand in for progress."""
     try:
         with path.open("rb") as f:
             f.seek(max(0, path.stat().st_size - 4096))
-            tail = f.read().decode(errors="replace").replace("\r", "\n").strip().splitlines()
+            lines = f.read().decode(errors="replace").replace("\r", "\n").splitlines()
     except OSError:
         return ""
-    return tail[-1][:150] if tail else ""
+    progress, after_warning = [], False
+    for line in lines:
+        if WARNING_HEADER.search(line):
+            after_warning = True
+        elif not (after_warning and line.startswith(" ")) and line.strip():
+            progress.append(line.strip())
+            after_warning = False
+    return progress[-1][:150] if progress else ""
 
 
 def run_step(step: Step, index: int, total: int, heartbeat_s: float, state: Path, threads: int) -> float:
