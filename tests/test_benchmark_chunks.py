@@ -152,3 +152,9 @@ def test_cover_in_chunks_with_base_equals_one_run(tmp_path):
            [{k: v for k, v in r.items() if k not in timeless} for r in one]
     assert sorted(p.name for p in (tmp_path / "chunks").iterdir()) == ["0000-0001.json", "0001-0002.json"]
     assert "TPS / base AR" in (tmp_path / "c.md").read_text()
+    # = base AR greedy, recounted from the saved outputs: problems whose tokens equal the AR row's
+    saved = [json.loads(p.read_text())["rows"] for p in sorted((tmp_path / "chunks").iterdir())]
+    for r in pooled:
+        same = [c[r["decoder"]][0]["output_ids"] == c[AR_LABEL][0]["output_ids"] for c in saved]
+        assert r["identical_to_base_ar"] == sum(same) / len(same)
+    assert pooled[0]["identical_to_base_ar"] == 1.0 and "= base AR greedy" in (tmp_path / "c.md").read_text()

@@ -47,6 +47,7 @@ def test_cover_real_model_flags(tmp_path):
           "--block-size", "4", "--taus", "0.9", "--template", "chat", "--dtype", "float32", "--out", str(out)])
     text = out.with_suffix(".md").read_text()
     assert "COVER tau=0.9 without override" in text
+    assert "= base AR greedy" not in text  # no --base: no AR row to compare with
     assert "--taus 0.9 --template chat" in text and "float32 on cpu" in text
 
 

@@ -20,7 +20,8 @@ validation sweep runs first each time); the table, of the problems done so far, 
 every chunk (``pardec.benchmarks.chunks``).
 
 Columns: accuracy (exact ``#### n``), steps per sample (= forwards), TPF (committed tokens /
-forwards), TPS, TPS / baseline and (with ``--base``) TPS / base AR, revisions per sample (COVER:
+forwards), TPS, TPS / baseline and (with ``--base``) = base AR greedy (fraction of problems whose output
+tokens equal the base's AR greedy output) and TPS / base AR, revisions per sample (COVER:
 ReMask + Replace; WINO, Saber: ReMask), flip-flops per sample, effective-revision ratio (revisions
 whose position ends with a different token, pooled). Writes ``benchmarks/results/cover.{md,json}``.
 """
@@ -33,7 +34,8 @@ import json
 import torch
 
 from pardec.benchmarks.chunks import decode_all, progress_note
-from pardec.benchmarks.common import RESULTS, held_out_rows, invoked_command, validation_rows, write_results
+from pardec.benchmarks.common import (RESULTS, held_out_rows, identical, invoked_command, validation_rows,
+                                      write_results)
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.mdm_common import default_block_size, mdm_info
 from pardec.inference.decoders.registry import build_decoder
@@ -111,14 +113,16 @@ def table_md(table: list[dict]) -> str:
         return "—" if v is None else format(v, spec)
 
     with_ar = any(r.get("tps_vs_base_ar") is not None for r in table)
-    header = ("| decoder | accuracy | steps/sample | TPF | TPS | TPS / baseline |" + (" TPS / base AR |" if with_ar else "")
+    header = ("| decoder | accuracy |" + (" = base AR greedy |" if with_ar else "")
+              + " steps/sample | TPF | TPS | TPS / baseline |" + (" TPS / base AR |" if with_ar else "")
               + " revisions/sample | flip-flops/sample | eff. revision ratio |")
-    lines = [header, "|---" * (9 + with_ar) + "|"]
+    lines = [header, "|---" * (9 + 2 * with_ar) + "|"]
     for r in table:
         ratio = r["effective_revision_ratio"] if r["revisions_per_sample"] else None  # 0/0: no revisions
+        same = f" {fmt(r.get('identical_to_base_ar'), '.1%')} |" if with_ar else ""
         ar = f" {fmt(r.get('tps_vs_base_ar'), '.2f')}{'x' if r.get('tps_vs_base_ar') is not None else ''} |" \
             if with_ar else ""
-        lines.append(f"| {r['decoder']} | {r['accuracy']:.1%} | {r['steps_per_sample']:.2f} | {r['tpf']:.2f} | "
+        lines.append(f"| {r['decoder']} | {r['accuracy']:.1%} |{same} {r['steps_per_sample']:.2f} | {r['tpf']:.2f} | "
                      f"{r['tps']:.1f} | {r['tps_ratio']:.2f}x |{ar} {fmt(r['revisions_per_sample'], '.2f')} | "
                      f"{fmt(r['flip_flops_per_sample'], '.2f')} | {fmt(ratio, '.1%')} |")
     return "\n".join(lines)
@@ -182,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         for r in table:
             r["tps_ratio"] = r["tps"] / by_label[BASELINE_LABEL]["tps"]
             r["tps_vs_base_ar"] = r["tps"] / by_label[AR_LABEL]["tps"] if AR_LABEL in by_label else None
+            r["identical_to_base_ar"] = identical(records[r["decoder"]], records[AR_LABEL]) if base else None
         md = table_md(table)
         tune_md = "\n".join(["| tau_draft | accuracy | steps/sample | eff. revision ratio |", "|---|---|---|---|"] + [
             f"| {r['tau_draft']} | {r['accuracy']:.1%} | {r['steps_per_sample']:.2f} | {r['effective_revision_ratio']:.1%} |"

@@ -59,7 +59,8 @@ SOURCES = {
                "identical_to_base", "identical_to_own_ar", "tps_ratio"),
         Source("mdm_flashdlm", "python -m pardec.benchmarks.mdm_flashdlm", lambda d: d,
                "identical_to_base_ar", None, "tps_vs_base_ar"),
-        Source("cover", "python -m pardec.benchmarks.cover", lambda d: d["test"], None, None, "tps_vs_base_ar"),
+        Source("cover", "python -m pardec.benchmarks.cover", lambda d: d["test"], "identical_to_base_ar", None,
+               "tps_vs_base_ar"),
     )
 }
 
