@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
         for r in table:
             r["tps_ratio"] = r["tps"] / by_label[BASELINE_LABEL]["tps"]
             r["tps_vs_base_ar"] = r["tps"] / by_label[AR_LABEL]["tps"] if AR_LABEL in by_label else None
-            r["identical_to_base_ar"] = identical(records[r["decoder"]], records[AR_LABEL]) if base else None
+            r["identical_to_base_ar"] = (identical(records[r["decoder"]], records[AR_LABEL])
+                                        if AR_LABEL in records else None)
         md = table_md(table)
         tune_md = "\n".join(["| tau_draft | accuracy | steps/sample | eff. revision ratio |", "|---|---|---|---|"] + [
             f"| {r['tau_draft']} | {r['accuracy']:.1%} | {r['steps_per_sample']:.2f} | {r['effective_revision_ratio']:.1%} |"
