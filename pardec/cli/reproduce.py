@@ -15,10 +15,11 @@ anything else used a core; one thread per step keeps the times stable and leaves
 The run is resumable: a training step is done when its run directory holds ``DONE`` (the trainer
 itself resumes an interrupted run from its last checkpoint); a benchmark step is done when
 ``runs/reproduce/<step>.done`` records the same inputs (the ``DONE`` files of the runs it reads) and
-the same command as now, so a re-trained conversion, or a benchmark whose arguments changed, is run again. Wall time per step is printed and kept in
-``runs/reproduce/steps.json``; the conversions' times also in ``benchmarks/results/cpu_conversions.json``
-(``benchmarks/results/real/`` for ``--real``), committed with the results. Everything is relative to the
-working directory, the repository root when started by ``scripts/reproduce.sh`` (it writes the repository's ``benchmarks/results/``).
+the same command as now, so a re-trained conversion, or a benchmark whose arguments changed, is run
+again. Wall time per step is printed and kept in ``runs/reproduce/steps.json``; the conversions' times
+also in ``benchmarks/results/cpu_conversions.json`` (``benchmarks/results/real/`` for ``--real``),
+committed with the results. Everything is relative to the working directory, the repository root when
+started by ``scripts/reproduce.sh`` (it writes the repository's ``benchmarks/results/``).
 """
 
 from __future__ import annotations
@@ -199,14 +200,13 @@ def last_line(path: Path) -> str:
             lines = f.read().decode(errors="replace").replace("\r", "\n").splitlines()
     except OSError:
         return ""
-    progress, after_warning = [], False
+    last, after_warning = "", False
     for line in lines:
         if WARNING_HEADER.search(line):
             after_warning = True
         elif not (after_warning and line.startswith(" ")) and line.strip():
-            progress.append(line.strip())
-            after_warning = False
-    return progress[-1][:150] if progress else ""
+            last, after_warning = line.strip(), False
+    return last[:150]
 
 
 def run_step(step: Step, index: int, total: int, heartbeat_s: float, state: Path, threads: int) -> float:
