@@ -244,3 +244,40 @@ def test_a_cover_decode_with_peaked_attention_stays_finite_and_matches_the_refer
         tokens, forwards, events = reference_cover(model, prompt, L, B, 0.8, 15, 5, attention, B, eos=-1,
                                                    override=True, seed_input=seed_input)
         assert (result.tokens, result.forwards, result.stats["revisions"]) == (tokens, forwards, events), prompt
+
+
+class HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that read a tensor's values on the host (a device sync on a GPU)."""
+
+    SYNCING = {"aten::nonzero", "aten::_local_scalar_dense"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func._schema.name in self.SYNCING
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_seeds_are_looked_up_once_per_forward_not_per_layer():
+    """``any``/``nonzero`` on the seeds stall a GPU's launches: a forward of 2 or 6 layers syncs equally
+    often, and the deeper model's outputs still follow the override (they differ from a plain forward)."""
+    register()
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    bidirectional = torch.zeros(1, 1, 6, 6)
+    seeds = torch.tensor([[False, False, True, False, True, False]])
+    syncs = {}
+    for layers in (2, 6):
+        model = tiny_model(24, num_hidden_layers=layers)
+        model.set_attn_implementation(KV_OVERRIDE)
+        with torch.no_grad():
+            first = KVOverrideStep()
+            plain = model(input_ids=ids, attention_mask=bidirectional, kv_override=first).logits
+            step = KVOverrideStep(seeds=seeds, cached=first.recorded, shift=1)
+            with HostSyncs() as counter:
+                verified = model(input_ids=ids.masked_fill(seeds, 23), attention_mask=bidirectional,
+                                 kv_override=step).logits
+        syncs[layers] = counter.count
+        assert not torch.allclose(verified, plain)
+    assert syncs[2] == syncs[6], syncs

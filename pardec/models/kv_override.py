@@ -87,6 +87,25 @@ class KVOverrideStep:
     # Filled during the forward: this step's (key, value) per layer, and the kept probabilities.
     recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     attention: torch.Tensor | None = None
+    # The first layer's lookup of the seeds (see ``seed_lookup``), reused by every later layer.
+    _lookup: tuple | None = field(default=None, repr=False)
+
+    def seed_lookup(self, q_len: int, offset: int) -> tuple[bool, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(override, (batch [n], row [n], column [n]))``: whether any seed column is overridden, and each
+        seed column with the query row verifying it (``row = column - shift - offset``, kept when inside
+        this forward's ``q_len`` queries). The same in every layer of the forward, so computed once, at the
+        first layer: ``any`` and ``nonzero`` wait for the device (a host sync), which on a GPU would stall
+        the kernel launches of every layer. A step serves one forward (so does ``recorded``)."""
+        if self._lookup is None or self._lookup[0] != (q_len, offset):
+            override = self.cached is not None and self.seeds is not None and bool(self.seeds.any())
+            pairs = ()
+            if override:
+                batch_idx, col = self.seeds.nonzero(as_tuple=True)  # [n], [n]
+                row = col - self.shift - offset  # [n] query index of the verifying row
+                keep = (row >= 0) & (row < q_len)
+                pairs = (batch_idx[keep], row[keep], col[keep])
+            self._lookup = ((q_len, offset), override, pairs)
+        return self._lookup[1], self._lookup[2]
 
 
 def kv_override_attention(
@@ -118,7 +137,7 @@ def kv_override_attention(
     k = repeat_kv(key, n_rep).float()  # [b, h, kv, d]
     v = repeat_kv(value, n_rep).float()  # [b, h, kv, d]
     q = query.float()  # [b, h, q, d]
-    override = step is not None and step.cached is not None and step.seeds is not None and bool(step.seeds.any())
+    override, pairs = step.seed_lookup(q_len, offset) if step is not None else (False, ())
     k_all, v_all, k_row, v_row = k, v, k, v  # what every query sees; what the verifying rows see
     if override:
         if step.cached_for not in CACHED_FOR:
@@ -139,10 +158,7 @@ def kv_override_attention(
 
     # 3. Each seed's verifying row r = i - shift gets column i's logit from k_row (plus the mask) before the softmax.
     if override:
-        batch_idx, col = step.seeds.nonzero(as_tuple=True)  # [n], [n]
-        row = col - step.shift - offset  # [n] query index of the verifying row
-        keep = (row >= 0) & (row < q_len)
-        batch_idx, col, row = batch_idx[keep], col[keep], row[keep]
+        batch_idx, row, col = pairs  # [n] each
         restored = (q[batch_idx, :, row] * k_row[batch_idx, :, col]).sum(-1) * scale  # [n, h]
         if attention_mask is not None:
             restored = restored + attention_mask.expand_as(scores)[batch_idx, :, row, col].float()
