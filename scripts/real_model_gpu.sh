@@ -24,7 +24,8 @@
 #   CUDA graph (--cuda-graphs), then eager.
 # Decoding is fp32, so "lossless" is checked token for token without bf16 rounding. Tables go to
 # benchmarks/results/real/gpu_*_<gpu>, the training commands' wall times to gpu_conversions_<gpu>.json
-# (updated after each conversion; a run's entry replaces the same run's from an earlier session), their
+# (updated after each conversion; a conversion's entry replaces the same run's from an earlier session, the
+# SFT base's first entry stays: the summary's AR row is of that session's base), their
 # whole output to runs/real_gpu_train.log (kept when a time limit stops a conversion).
 # --smoke runs every step with a few steps and problems under *_smoke names (a check of the script
 # itself, on any device).
@@ -66,7 +67,11 @@ import json, os, sys
 walls, out = sys.argv[1:]
 saved = json.load(open(out)) if os.path.exists(out) else {}  # earlier sessions' runs on this GPU model stay
 rows = [line.split("\t") for line in open(walls).read().splitlines()] if os.path.exists(walls) else []
-json.dump({**saved, **{name: {"wall_seconds": int(seconds)} for name, seconds in rows}}, open(out, "w"), indent=2)
+new = {name: {"wall_seconds": int(seconds)} for name, seconds in rows}
+# Every session fine-tunes its own SFT base: the first one saved stays (the summary's AR row decodes with that
+# session's base); a later session's base time is in its walls file and log.
+new = {name: entry for name, entry in new.items() if not (name.startswith("smollm2_sft_gpu") and name in saved)}
+json.dump({**saved, **new}, open(out, "w"), indent=2)
 PY
 }
 train() {  # train <run dir> <overrides...>: skipped when the run (its last stage) is done

@@ -1,10 +1,13 @@
 """pardec.benchmarks.real_summary: rows read from the real-model benchmarks' JSON, wall times from the
-CPU reproduce run and the GPU run's file, rows not yet measured listed with their command, and a
+CPU reproduce run and the GPU runs' file (and the GPU script's merge into it), rows not yet measured listed with their command, and a
 lossless claim shown as verified only at a measured 100% identity."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -145,3 +148,23 @@ def test_cover_rows_take_tps_over_base_ar_when_the_table_has_an_ar_row(folders):
     ratios = {r["short"]: r["tps_ratio"] for r in table}
     assert ratios == {"WINO, block32": None, "Saber, block32": None, "COVER, block32": None,
                       "WINO, bidir": 0.5, "Saber, bidir": 1.5, "COVER, bidir": 2.5}
+
+
+def test_gpu_script_keeps_the_first_sft_base_and_replaces_a_conversion(tmp_path):
+    """``scripts/real_model_gpu.sh``'s merge of a session's wall times into ``gpu_conversions_<gpu>.json``
+    (its Python heredoc, run as the script runs it): a rerun conversion replaces its entry, a new one is
+    added, earlier sessions' entries stay, and the SFT base saved first stays (the summary's AR row)."""
+    script = (Path(__file__).parents[1] / "scripts" / "real_model_gpu.sh").read_text()
+    merge = script.split("<<'PY'\n", 1)[1].split("\nPY\n", 1)[0]
+    out = tmp_path / "gpu_conversions_h200.json"
+    out.write_text(json.dumps({"smollm2_sft_gpu": {"wall_seconds": 94, "training_seconds": 57.2},
+                               "smollm2_idlm_gpu": {"wall_seconds": 239}, "smollm2_mdm_gpu": {"wall_seconds": 153}}))
+    walls = tmp_path / "walls.tsv"
+    walls.write_text("smollm2_sft_gpu\t90\nsmollm2_mdm_gpu\t140\nsmollm2_jacobi_forcing_gpu\t250\n")
+    subprocess.run([sys.executable, "-", str(walls), str(out)], input=merge, text=True, check=True)
+    assert json.loads(out.read_text()) == {
+        "smollm2_sft_gpu": {"wall_seconds": 94, "training_seconds": 57.2}, "smollm2_idlm_gpu": {"wall_seconds": 239},
+        "smollm2_mdm_gpu": {"wall_seconds": 140}, "smollm2_jacobi_forcing_gpu": {"wall_seconds": 250}}
+    out.unlink()  # a first session on this GPU model records its base
+    subprocess.run([sys.executable, "-", str(walls), str(out)], input=merge, text=True, check=True)
+    assert json.loads(out.read_text())["smollm2_sft_gpu"] == {"wall_seconds": 90}
