@@ -22,6 +22,8 @@
 #   (pardec.benchmarks.jacobi_forcing: n among 4, 8, 16 chosen on JACOBI_VAL val problems, default 10; AR
 #   greedy, Jacobi and multi-block rows) on PROBLEMS test problems, every row's decode step captured as a
 #   CUDA graph (--cuda-graphs), then eager.
+# DECODE_MODES (default "graphs eager") names the I-DLM and Jacobi Forcing tables' decoding modes, in that
+# order ("graphs" alone saves the eager table's minutes in a short device session).
 # Decoding is fp32, so "lossless" is checked token for token without bf16 rounding. Tables go to
 # benchmarks/results/real/gpu_*_<gpu>, the training commands' wall times to gpu_conversions_<gpu>.json
 # (updated after each conversion; a conversion's entry replaces the same run's from an earlier session, the
@@ -37,13 +39,16 @@ tag="" tiny_data=() tiny_steps=() tiny_stages=() problems=${PROBLEMS:-30} eval_n
 splits=${EVAL_SPLITS-val test} with_risd=${RISD:-1} with_idlm=${IDLM:-1} with_mdm=${MDM:-0} with_refusion=${REFUSION:-0}
 refusion_val=${REFUSION_VAL:-10} with_jacobi=${JACOBI:-0} jacobi_val=${JACOBI_VAL:-10}
 mdm_attention=${MDM_ATTENTION:-block} mdm_tables=${MDM_TABLES:-flashdlm cover} mdm_rows=${MDM_ROWS:-all}
-cover_val=${COVER_VAL:-10}
+cover_val=${COVER_VAL:-10} decode_modes=${DECODE_MODES:-graphs eager}
 case $mdm_attention in
   block) mdm_experiment=smollm2_mdm_gpu mdm_suffix="" ;;
   block32) mdm_experiment=smollm2_mdm_block32_gpu mdm_suffix=_block32 ;;
   bidir) mdm_experiment=smollm2_mdm_bidir_gpu mdm_suffix=_bidir ;;
   *) echo "MDM_ATTENTION must be block, block32 or bidir, got '$mdm_attention'" >&2; exit 2 ;;
 esac
+for mode in $decode_modes; do
+  case $mode in graphs|eager) ;; *) echo "DECODE_MODES: unknown mode '$mode' (graphs, eager)" >&2; exit 2 ;; esac
+done
 for table in $mdm_tables; do
   case $table in flashdlm|cover) ;; *) echo "MDM_TABLES: unknown table '$table' (flashdlm, cover)" >&2; exit 2 ;; esac
 done
@@ -101,7 +106,7 @@ if [ "$with_idlm" = 1 ]; then
     train $risd/DONE experiment=smollm2_risd_gpu experiment_name=smollm2_risd_gpu$tag model.path=$sft/hf "${tiny_data[@]}" "${tiny_steps[@]}"
     risd_args=(--risd $risd/hf)
   fi
-  for mode in graphs eager; do
+  for mode in $decode_modes; do
     stamp "benchmark ($mode): AR greedy vs ISD N=4 (I-DLM)${risd_args:+ vs R-ISD}, $problems test problems"
     $py -m pardec.benchmarks.idlm_isd --base $sft/hf --idlm $idlm/stages/$last_stage/hf "${risd_args[@]}" \
       --num-samples "$problems" --strides 4 --no-sample --device auto --dtype float32 --threads 8 \
@@ -137,7 +142,7 @@ if [ "$with_jacobi" = 1 ]; then
   [ -n "$tag" ] && smoke_prompts=("recipe.stages=[{name:round1,max_steps:2,overrides:{block_size:8,prompt_start:0,num_prompts:8}}]")
   train $jacobi/stages/00-round1/DONE experiment=smollm2_jacobi_forcing_gpu experiment_name=smollm2_jacobi_forcing_gpu$tag \
     model.path=$sft/hf "${tiny_data[@]}" "${smoke_prompts[@]}"
-  for mode in graphs eager; do
+  for mode in $decode_modes; do
     stamp "benchmark ($mode): AR greedy vs Jacobi / multi-block (Jacobi Forcing, n on $jacobi_val val problems), $problems test problems"
     $py -m pardec.benchmarks.jacobi_forcing --base $sft/hf --round1 $jacobi/stages/00-round1/hf --wide-block-size 0 \
       --num-samples "$problems" --num-val "$jacobi_val" --val-block-sizes 4 8 16 --no-training-table --no-bound \
