@@ -13,15 +13,15 @@
 #   the COVER table (pardec.benchmarks.cover: tau_draft chosen on COVER_VAL val problems, default 10),
 #   both on PROBLEMS test problems, eager; the block32 and bidir runs' tables are named
 #   gpu_*_block32_<gpu> and gpu_*_bidir_<gpu>.
-# - REFUSION=1 (default 0): the ReFusion conversion (experiment=smollm2_refusion_gpu), then the ReFusion
-#   table (pardec.benchmarks.refusion, the CPU run's settings: b=16, tau among 0.9/0.7/0.5 chosen on
-#   REFUSION_VAL val problems, default 10, then the chosen tau and its KV-recomputation ablation) on
-#   PROBLEMS test problems, eager.
 # - JACOBI=1 (default 0): the Jacobi Forcing conversion (experiment=smollm2_jacobi_forcing_gpu: trajectories
 #   collected 32 prompts at a time, one round at n=8), then the Jacobi Forcing table
 #   (pardec.benchmarks.jacobi_forcing: n among 4, 8, 16 chosen on JACOBI_VAL val problems, default 10; AR
 #   greedy, Jacobi and multi-block rows) on PROBLEMS test problems, every row's decode step captured as a
 #   CUDA graph (--cuda-graphs), then eager.
+# - REFUSION=1 (default 0): the ReFusion conversion (experiment=smollm2_refusion_gpu), then the ReFusion
+#   table (pardec.benchmarks.refusion, the CPU run's settings: b=16, tau among 0.9/0.7/0.5 chosen on
+#   REFUSION_VAL val problems, default 10, then the chosen tau and its KV-recomputation ablation) on
+#   PROBLEMS test problems, eager. Runs after Jacobi Forcing: with both, a time limit stops ReFusion first.
 # DECODE_MODES (default "graphs eager") names the I-DLM and Jacobi Forcing tables' decoding modes, in that
 # order ("graphs" alone saves the eager table's minutes in a short device session).
 # Decoding is fp32, so "lossless" is checked token for token without bf16 rounding. Tables go to
@@ -128,15 +128,6 @@ if [ "$with_mdm" = 1 ]; then
     fi
   done
 fi
-if [ "$with_refusion" = 1 ]; then
-  train $refusion/DONE experiment=smollm2_refusion_gpu experiment_name=smollm2_refusion_gpu$tag model.path=$sft/hf \
-    "${tiny_data[@]}" "${tiny_steps[@]}"
-  stamp "benchmark: AR greedy vs ReFusion (tau on $refusion_val val problems), $problems test problems"
-  $py -m pardec.benchmarks.refusion --base $sft/hf --refusion $refusion/hf --num-samples "$problems" \
-    --num-val "$refusion_val" --block-sizes 16 --first-tokens mask --thresholds 0.9 0.7 0.5 --max-drop 0.03 \
-    --test-chosen-only --ablations kv_reuse --no-own-ar --goal-drop 0.03 --goal-reuse 2 --max-new-tokens 96 \
-    --device auto --dtype float32 --threads 8 --out $out/gpu_refusion_$gpu$tag
-fi
 if [ "$with_jacobi" = 1 ]; then
   smoke_prompts=()
   [ -n "$tag" ] && smoke_prompts=("recipe.stages=[{name:round1,max_steps:2,overrides:{block_size:8,prompt_start:0,num_prompts:8}}]")
@@ -149,5 +140,14 @@ if [ "$with_jacobi" = 1 ]; then
       --device auto --dtype float32 --threads 8 $([ $mode = graphs ] && echo --cuda-graphs) \
       --out $out/gpu_jacobi_forcing_${mode}_$gpu$tag
   done
+fi
+if [ "$with_refusion" = 1 ]; then
+  train $refusion/DONE experiment=smollm2_refusion_gpu experiment_name=smollm2_refusion_gpu$tag model.path=$sft/hf \
+    "${tiny_data[@]}" "${tiny_steps[@]}"
+  stamp "benchmark: AR greedy vs ReFusion (tau on $refusion_val val problems), $problems test problems"
+  $py -m pardec.benchmarks.refusion --base $sft/hf --refusion $refusion/hf --num-samples "$problems" \
+    --num-val "$refusion_val" --block-sizes 16 --first-tokens mask --thresholds 0.9 0.7 0.5 --max-drop 0.03 \
+    --test-chosen-only --ablations kv_reuse --no-own-ar --goal-drop 0.03 --goal-reuse 2 --max-new-tokens 96 \
+    --device auto --dtype float32 --threads 8 --out $out/gpu_refusion_$gpu$tag
 fi
 stamp "finished; conversion wall times: $out/gpu_conversions_$gpu.json"
