@@ -28,7 +28,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from pardec.common.distributed import barrier, init_distributed
+from pardec.common.distributed import barrier, init_distributed, main_rank_first
 from pardec.common.errors import ConfigError
 from pardec.data_pipelines.jacobi_trajectories import collect_trajectories, load_trajectories
 from pardec.data_pipelines.sources import load_raw_split
@@ -49,12 +49,9 @@ def collect(cfg: DictConfig) -> Path:
     tokenizer = load_tokenizer(cfg.model, cfg.data)
     method = build_method(cfg.recipe, tokenizer)
     check_max_positions(cfg.model, *method.max_positions(cfg.data))
-    if not dist_info.is_main:
-        barrier()
-    tokenized = tokenize_dataset(load_raw_split(cfg.data, "train"), tokenizer, cfg.data, "train",
-                                 method.trains_on_responses)
-    if dist_info.is_main:
-        barrier()
+    with main_rank_first(dist_info.is_main):
+        tokenized = tokenize_dataset(load_raw_split(cfg.data, "train"), tokenizer, cfg.data, "train",
+                                     method.trains_on_responses)
     attn = resolve_attn_implementation(cfg.model.attn_implementation, on_gpu, needs_custom_mask=False)
     model = load_model(cfg.model, tokenizer, resolve_dtype(cfg.model.dtype, on_gpu), attn).to(dist_info.device)
     prompts = method.collect_prompts(tokenized)

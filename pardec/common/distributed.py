@@ -9,8 +9,10 @@ already exists (validation inside training) is reused and never destroyed by :fu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +90,17 @@ def shutdown(info: DistInfo) -> None:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+@contextlib.contextmanager
+def main_rank_first(is_main: bool) -> Iterator[None]:
+    """Run the body on the main rank first, then on the others (they wait for it): what the main rank
+    writes there, e.g. the datasets cache of a tokenization, the others read instead of writing it too."""
+    if not is_main:
+        barrier()
+    yield
+    if is_main:
+        barrier()
 
 
 def _on_backend_device(t: torch.Tensor) -> torch.Tensor:

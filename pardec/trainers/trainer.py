@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pardec.common.distributed import DistInfo, all_reduce_mean, any_rank, barrier, init_distributed
+from pardec.common.distributed import DistInfo, all_reduce_mean, any_rank, barrier, init_distributed, main_rank_first
 from pardec.common.errors import CheckpointError, ConfigError
 from pardec.common.metadata import CheckpointMetadata
 from pardec.common.model_card import command_line
@@ -276,12 +276,9 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo, stop_dir: Path | None = No
     check_max_positions(cfg.model, *method.max_positions(cfg.data))  # before any data work
     attn_impl = resolve_attn_implementation(cfg.model.attn_implementation, on_gpu, method.needs_custom_mask)
     configure_flex_attention(cfg.model, attn_impl)
-    if not dist_info.is_main:
-        barrier()
-    tokenized = tokenize_dataset(load_raw_split(cfg.data, "train"), tokenizer, cfg.data, "train",
-                                 method.trains_on_responses)
-    if dist_info.is_main:
-        barrier()
+    with main_rank_first(dist_info.is_main):
+        tokenized = tokenize_dataset(load_raw_split(cfg.data, "train"), tokenizer, cfg.data, "train",
+                                     method.trains_on_responses)
     fingerprint = run_on_main(lambda: _fingerprint(cfg, plan.path, tokenized, tokenizer_print), dist_info.is_main)
 
     # 2. model (partitioned at load time under ZeRO-3), method-specific changes, DeepSpeed engine
