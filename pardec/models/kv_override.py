@@ -90,8 +90,8 @@ class KVOverrideStep:
     # The first layer's lookup of the seeds (see ``seed_lookup``), reused by every later layer.
     _lookup: tuple | None = field(default=None, repr=False)
 
-    def seed_lookup(self, q_len: int, offset: int) -> tuple[bool, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """``(override, (batch [n], row [n], column [n]))``: whether any seed column is overridden, and each
+    def seed_lookup(self, q_len: int, offset: int) -> tuple[bool, tuple[torch.Tensor, ...]]:
+        """``(override, (batch [n], row [n], column [n]) or ())``: whether any seed column is overridden, and each
         seed column with the query row verifying it (``row = column - shift - offset``, kept when inside
         this forward's ``q_len`` queries). The same in every layer of the forward, so computed once, at the
         first layer: ``any`` and ``nonzero`` wait for the device (a host sync), which on a GPU would stall
