@@ -57,7 +57,7 @@ if [ "${1:-}" = "--smoke" ]; then
   tiny_data=(trainer.micro_batch_size=2 data.max_train_samples=32 trainer.warmup_steps=0) tiny_steps=(trainer.max_steps=2)
   tiny_stages=("recipe.stages=[{name:stride2,max_steps:1,overrides:{stride:2,alpha:0.2}},{name:stride4,max_steps:1,overrides:{stride:4,alpha:null}}]")
 fi
-mkdir -p "$out"
+mkdir -p "$out" runs  # runs/ (the walls file, the training log, the checkpoints) is not in a fresh clone
 sft=runs/smollm2_sft_gpu$tag risd=runs/smollm2_risd_gpu$tag idlm=runs/smollm2_idlm_gpu$tag mdm=runs/${mdm_experiment}$tag
 refusion=runs/smollm2_refusion_gpu$tag jacobi=runs/smollm2_jacobi_forcing_gpu$tag
 last_stage=$([ -n "$tag" ] && echo 01-stride4 || echo 02-stride4)

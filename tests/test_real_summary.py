@@ -1,5 +1,6 @@
 """pardec.benchmarks.real_summary: rows read from the real-model benchmarks' JSON, wall times from the
-CPU reproduce run and the GPU runs' file (and the GPU script's merge into it), rows not yet measured
+CPU reproduce run and the GPU runs' file (and the GPU script's merge into it, and its run in a fresh clone),
+rows not yet measured
 listed with their command, and a lossless claim shown as verified only at a measured 100% identity."""
 
 from __future__ import annotations
@@ -168,3 +169,22 @@ def test_gpu_script_keeps_the_first_sft_base_and_replaces_a_conversion(tmp_path)
     out.unlink()  # a first session on this GPU model records its base
     subprocess.run([sys.executable, "-", str(walls), str(out)], input=merge, text=True, check=True)
     assert json.loads(out.read_text())["smollm2_sft_gpu"] == {"wall_seconds": 90}
+
+
+def test_gpu_script_runs_in_a_fresh_clone_without_runs(tmp_path):
+    """``scripts/real_model_gpu.sh`` in a checkout with no ``runs/`` (a fresh clone, a bare device machine):
+    the first training command's output reaches the training log and its wall time the conversions file.
+    The 2026-11-28 H200 run stopped after the SFT base because ``tee`` could not open ``runs/…`` there.
+    The training CLI is a stub that only echoes; every other call is the real interpreter."""
+    (tmp_path / "scripts").mkdir()
+    script = tmp_path / "scripts" / "real_model_gpu.sh"
+    script.write_text((Path(__file__).parents[1] / "scripts" / "real_model_gpu.sh").read_text())
+    stub = tmp_path / "python_stub"
+    stub.write_text(f'#!/bin/sh\nif [ "$1" = -m ]; then echo "stub: $*"; exit 0; fi\nexec "{sys.executable}" "$@"\n')
+    stub.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(stub), "EVAL_SPLITS": "", "IDLM": "0", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "stub: -m pardec.cli.train experiment=smollm2_sft_gpu" in (tmp_path / "runs" / "real_gpu_train.log").read_text()
+    saved = json.loads((tmp_path / "benchmarks" / "results" / "real" / "gpu_conversions_cpu.json").read_text())
+    assert list(saved) == ["smollm2_sft_gpu"]
