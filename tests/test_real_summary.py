@@ -1,7 +1,7 @@
 """pardec.benchmarks.real_summary: rows read from the real-model benchmarks' JSON, wall times from the
 CPU reproduce run and the GPU runs' file (and the GPU script's merge into it, and its run in a fresh clone),
-rows not yet measured
-listed with their command, and a lossless claim shown as verified only at a measured 100% identity."""
+rows not yet measured listed with their command, and a lossless claim shown as verified only at a measured
+100% identity."""
 
 from __future__ import annotations
 
