@@ -60,7 +60,7 @@ def test_a_claim_below_100_percent_is_not_verified(folders, tmp_path):
                                            *["cpu_cover"] * 3, "gpu_idlm_isd_graphs_h200",
                                            "gpu_idlm_isd_graphs_h200", *["gpu_mdm_flashdlm_h200"] * 5,
                                            *["gpu_mdm_flashdlm_bidir_h200"] * 4, *["gpu_cover_bidir_h200"] * 3,
-                                           *["gpu_cover_block32_h200"] * 3]
+                                           *["gpu_cover_block32_h200"] * 3, *["gpu_jacobi_forcing_graphs_h200"] * 2]
 
 
 def test_no_results_and_a_missing_row_are_named(folders, tmp_path):

@@ -75,6 +75,8 @@ GPU_RUN_MDM_32 = ("PROBLEMS=20 IDLM=0 MDM=1 MDM_ATTENTION={attention} EVAL_SPLIT
                   "COVER_VAL=6 MDM_ROWS=ar,lowconf1,guided_shifted,fc_guided_strict,fc_refresh "
                   "bash scripts/real_model_gpu.sh (docs/results/real_gpu.md)")
 COVER_ROWS = (("WINO 0.6 / 0.9", "WINO"), ("Saber n=2 / mu=8", "Saber"), (cover_chosen, "COVER"))
+GPU_RUN_JACOBI = ("PROBLEMS=20 IDLM=0 JACOBI=1 JACOBI_VAL=6 DECODE_MODES=graphs EVAL_SPLITS= "
+                  "bash scripts/real_model_gpu.sh (docs/results/real_gpu.md)")
 
 
 def jacobi_chosen(kind: str) -> Callable[[dict], str]:
@@ -128,6 +130,12 @@ ROWS: tuple[RealRow, ...] = (
     *(RealRow("MDM", f"MDM ({name}, block 32) on the third H200 run's SFT base", H200, f"gpu_cover_{key}_h200", "cover",
               label, f"{short}, {key}", f"smollm2_mdm_{key}_gpu@h200", None, GPU_RUN_MDM_32.format(attention=key))
       for key, name in (("bidir", "bidirectional"), ("block32", "block-causal")) for label, short in COVER_ROWS),
+    # A fifth H200 session: Jacobi Forcing on that session's SFT base, every row's decode step a CUDA graph.
+    *(RealRow("Jacobi Forcing", "Jacobi Forcing round 1 on the fifth H200 run's SFT base", H200_GRAPHS,
+              "gpu_jacobi_forcing_graphs_h200", "jacobi_forcing", jacobi_chosen(kind),
+              lambda data, short=short: f"{short} n={data['chosen_block_size']}",
+              "smollm2_jacobi_forcing_gpu@h200", "own", GPU_RUN_JACOBI)
+      for kind, short in (("jacobi", "Jacobi"), ("multiblock", "multi-block"))),
 )
 
 
