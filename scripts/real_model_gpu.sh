@@ -26,8 +26,9 @@
 # order ("graphs" alone saves the eager table's minutes in a short device session).
 # Decoding is fp32, so "lossless" is checked token for token without bf16 rounding. Tables go to
 # benchmarks/results/real/gpu_*_<gpu>, the training commands' wall times to gpu_conversions_<gpu>.json
-# (updated after each conversion; a conversion's entry replaces the same run's from an earlier session, the
-# SFT base's first entry stays: the summary's AR row is of that session's base), their
+# (a conversion's entry once its tables are written, replacing the same run's from an earlier session: a
+# conversion stopped before its tables leaves the entry of the one the tables show; the SFT base's first
+# entry stays: the summary's AR row is of that session's base), their
 # whole output to runs/real_gpu_train.log (kept when a time limit stops a conversion).
 # --smoke runs every step with a few steps and problems under *_smoke names (a check of the script
 # itself, on any device).
@@ -66,13 +67,13 @@ walls=runs/real_gpu_walls$tag.tsv  # <run> <wall seconds>, one line per finished
 train_log=runs/real_gpu_train$tag.log  # every training command's whole output (the screen gets its last lines)
 
 stamp() { echo "[$(date +%H:%M:%S)] $*"; }
-write_walls() {
-  $py - "$walls" "$out/gpu_conversions_$gpu.json" <<'PY'
+write_walls() {  # write_walls <run>...: the named runs' wall times from this session's walls file into the JSON
+  $py - "$walls" "$out/gpu_conversions_$gpu.json" "$@" <<'PY'
 import json, os, sys
-walls, out = sys.argv[1:]
+walls, out, *runs = sys.argv[1:]
 saved = json.load(open(out)) if os.path.exists(out) else {}  # earlier sessions' runs on this GPU model stay
 rows = [line.split("\t") for line in open(walls).read().splitlines()] if os.path.exists(walls) else []
-new = {name: {"wall_seconds": int(seconds)} for name, seconds in rows}
+new = {name: {"wall_seconds": int(seconds)} for name, seconds in rows if name in runs}
 # Every session fine-tunes its own SFT base: the first one saved stays (the summary's AR row decodes with that
 # session's base); a later session's base time is in its walls file and log.
 new = {name: entry for name, entry in new.items() if not (name.startswith("smollm2_sft_gpu") and name in saved)}
@@ -87,10 +88,10 @@ train() {  # train <run dir> <overrides...>: skipped when the run (its last stag
   $py -m pardec.cli.train "$@" logging.progress_bar=false 2>&1 | tee -a "$train_log" | grep -v -E "^\s*$" | tail -n 25
   stamp "wall $((SECONDS - start)) s: $*"
   printf '%s\t%s\n' "$(basename "$(dirname "$done_file" | sed 's|/stages/.*||')")" $((SECONDS - start)) >>"$walls"
-  write_walls
 }
 
 train $sft/DONE experiment=smollm2_sft_gpu experiment_name=smollm2_sft_gpu$tag "${tiny_data[@]}" "${tiny_steps[@]}"
+write_walls smollm2_sft_gpu$tag
 for split in $splits; do
   [ -f $sft/eval_$split/metrics.json ] || $py -m pardec.cli.validate checkpoint=$sft/hf decoder=ar_greedy \
     decoder.batch_size=64 decoder.max_new_tokens=96 data.eval_split=$split data.max_eval_samples=$eval_n \
@@ -112,6 +113,7 @@ if [ "$with_idlm" = 1 ]; then
       --num-samples "$problems" --strides 4 --no-sample --device auto --dtype float32 --threads 8 \
       $([ $mode = graphs ] && echo "--cuda-graphs --no-bound") --out $out/gpu_idlm_isd_${mode}_$gpu$tag
   done
+  write_walls smollm2_idlm_gpu$tag smollm2_risd_gpu$tag
 fi
 if [ "$with_mdm" = 1 ]; then
   train $mdm/DONE experiment=$mdm_experiment experiment_name=$mdm_experiment$tag model.path=$sft/hf \
@@ -127,6 +129,7 @@ if [ "$with_mdm" = 1 ]; then
         --device auto --dtype float32 --threads 8 --out $out/gpu_cover${mdm_suffix}_$gpu$tag
     fi
   done
+  write_walls $mdm_experiment$tag
 fi
 if [ "$with_jacobi" = 1 ]; then
   smoke_prompts=()
@@ -140,6 +143,7 @@ if [ "$with_jacobi" = 1 ]; then
       --device auto --dtype float32 --threads 8 $([ $mode = graphs ] && echo --cuda-graphs) \
       --out $out/gpu_jacobi_forcing_${mode}_$gpu$tag
   done
+  write_walls smollm2_jacobi_forcing_gpu$tag
 fi
 if [ "$with_refusion" = 1 ]; then
   train $refusion/DONE experiment=smollm2_refusion_gpu experiment_name=smollm2_refusion_gpu$tag model.path=$sft/hf \
@@ -149,5 +153,6 @@ if [ "$with_refusion" = 1 ]; then
     --num-val "$refusion_val" --block-sizes 16 --first-tokens mask --thresholds 0.9 0.7 0.5 --max-drop 0.03 \
     --test-chosen-only --ablations kv_reuse --no-own-ar --goal-drop 0.03 --goal-reuse 2 --max-new-tokens 96 \
     --device auto --dtype float32 --threads 8 --out $out/gpu_refusion_$gpu$tag
+  write_walls smollm2_refusion_gpu$tag
 fi
 stamp "finished; conversion wall times: $out/gpu_conversions_$gpu.json"

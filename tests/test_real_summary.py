@@ -153,38 +153,66 @@ def test_cover_rows_take_tps_over_base_ar_when_the_table_has_an_ar_row(folders):
 
 def test_gpu_script_keeps_the_first_sft_base_and_replaces_a_conversion(tmp_path):
     """``scripts/real_model_gpu.sh``'s merge of a session's wall times into ``gpu_conversions_<gpu>.json``
-    (its Python heredoc, run as the script runs it): a rerun conversion replaces its entry, a new one is
-    added, earlier sessions' entries stay, and the SFT base saved first stays (the summary's AR row)."""
+    (its Python heredoc, run as the script runs it, with the runs whose tables are written): a rerun
+    conversion replaces its entry, a new one is added, one not named (its tables not written) is left out,
+    earlier sessions' entries stay, and the SFT base saved first stays (the summary's AR row)."""
     script = (Path(__file__).parents[1] / "scripts" / "real_model_gpu.sh").read_text()
     merge = script.split("<<'PY'\n", 1)[1].split("\nPY\n", 1)[0]
     out = tmp_path / "gpu_conversions_h200.json"
     out.write_text(json.dumps({"smollm2_sft_gpu": {"wall_seconds": 94, "training_seconds": 57.2},
-                               "smollm2_idlm_gpu": {"wall_seconds": 239}, "smollm2_mdm_gpu": {"wall_seconds": 153}}))
+                               "smollm2_idlm_gpu": {"wall_seconds": 239}, "smollm2_mdm_gpu": {"wall_seconds": 153},
+                               "smollm2_mdm_block32_gpu": {"wall_seconds": 108}}))
     walls = tmp_path / "walls.tsv"
-    walls.write_text("smollm2_sft_gpu\t90\nsmollm2_mdm_gpu\t140\nsmollm2_jacobi_forcing_gpu\t250\n")
-    subprocess.run([sys.executable, "-", str(walls), str(out)], input=merge, text=True, check=True)
+    walls.write_text("smollm2_sft_gpu\t90\nsmollm2_mdm_gpu\t140\nsmollm2_jacobi_forcing_gpu\t250\n"
+                     "smollm2_mdm_block32_gpu\t138\n")
+    named = ["smollm2_sft_gpu", "smollm2_mdm_gpu", "smollm2_jacobi_forcing_gpu"]
+    subprocess.run([sys.executable, "-", str(walls), str(out), *named], input=merge, text=True, check=True)
     assert json.loads(out.read_text()) == {
         "smollm2_sft_gpu": {"wall_seconds": 94, "training_seconds": 57.2}, "smollm2_idlm_gpu": {"wall_seconds": 239},
-        "smollm2_mdm_gpu": {"wall_seconds": 140}, "smollm2_jacobi_forcing_gpu": {"wall_seconds": 250}}
+        "smollm2_mdm_gpu": {"wall_seconds": 140}, "smollm2_mdm_block32_gpu": {"wall_seconds": 108},
+        "smollm2_jacobi_forcing_gpu": {"wall_seconds": 250}}
     out.unlink()  # a first session on this GPU model records its base
-    subprocess.run([sys.executable, "-", str(walls), str(out)], input=merge, text=True, check=True)
+    subprocess.run([sys.executable, "-", str(walls), str(out), *named], input=merge, text=True, check=True)
     assert json.loads(out.read_text())["smollm2_sft_gpu"] == {"wall_seconds": 90}
 
 
-def test_gpu_script_runs_in_a_fresh_clone_without_runs(tmp_path):
-    """``scripts/real_model_gpu.sh`` in a checkout with no ``runs/`` (a fresh clone, a bare device machine):
-    the first training command's output reaches the training log and its wall time the conversions file.
-    The 2026-11-28 H200 run stopped after the SFT base because ``tee`` could not open ``runs/…`` there.
-    The training CLI is a stub that only echoes; every other call is the real interpreter."""
+def run_gpu_script(tmp_path: Path, failing_module: str = "", **env: str) -> subprocess.CompletedProcess:
+    """``scripts/real_model_gpu.sh`` copied into an empty checkout (no ``runs/``: a fresh clone, a bare device
+    machine) and run with a stub interpreter: ``-m`` commands (training, benchmarks) only echo, and
+    ``failing_module`` fails; every other call is the real interpreter."""
     (tmp_path / "scripts").mkdir()
     script = tmp_path / "scripts" / "real_model_gpu.sh"
     script.write_text((Path(__file__).parents[1] / "scripts" / "real_model_gpu.sh").read_text())
     stub = tmp_path / "python_stub"
-    stub.write_text(f'#!/bin/sh\nif [ "$1" = -m ]; then echo "stub: $*"; exit 0; fi\nexec "{sys.executable}" "$@"\n')
+    stub.write_text(f'#!/bin/sh\nif [ "$1" = -m ]; then echo "stub: $*"; [ "$2" != "{failing_module}" ]; exit; fi\n'
+                    f'exec "{sys.executable}" "$@"\n')
     stub.chmod(0o755)
-    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(stub), "EVAL_SPLITS": "", "IDLM": "0", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(stub), "EVAL_SPLITS": "", "IDLM": "0", "CUDA_VISIBLE_DEVICES": "",
+           **env}
+    return subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+
+
+def saved_conversions(tmp_path: Path) -> dict:
+    return json.loads((tmp_path / "benchmarks" / "results" / "real" / "gpu_conversions_cpu.json").read_text())
+
+
+def test_gpu_script_runs_in_a_fresh_clone_without_runs(tmp_path):
+    """In a checkout with no ``runs/`` the first training command's output reaches the training log and its
+    wall time the conversions file. The 2026-11-28 H200 run stopped after the SFT base because ``tee`` could
+    not open ``runs/…`` there."""
+    done = run_gpu_script(tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "stub: -m pardec.cli.train experiment=smollm2_sft_gpu" in (tmp_path / "runs" / "real_gpu_train.log").read_text()
-    saved = json.loads((tmp_path / "benchmarks" / "results" / "real" / "gpu_conversions_cpu.json").read_text())
-    assert list(saved) == ["smollm2_sft_gpu"]
+    train_log = (tmp_path / "runs" / "real_gpu_train.log").read_text()
+    assert "stub: -m pardec.cli.train experiment=smollm2_sft_gpu" in train_log
+    assert list(saved_conversions(tmp_path)) == ["smollm2_sft_gpu"]
+
+
+@pytest.mark.parametrize("table_fails", [False, True])
+def test_gpu_script_saves_a_conversion_wall_time_once_its_tables_are_written(tmp_path, table_fails):
+    """A conversion's wall time reaches the conversions file only after its tables: one stopped before
+    (here its benchmark fails) leaves the file's entry to the conversion the saved tables show."""
+    done = run_gpu_script(tmp_path, "pardec.benchmarks.jacobi_forcing" if table_fails else "", JACOBI="1")
+    assert (done.returncode != 0) == table_fails, done.stdout + done.stderr
+    assert "smollm2_jacobi_forcing_gpu\t" in (tmp_path / "runs" / "real_gpu_walls.tsv").read_text()
+    expected = ["smollm2_sft_gpu"] + ([] if table_fails else ["smollm2_jacobi_forcing_gpu"])
+    assert list(saved_conversions(tmp_path)) == expected
