@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from pardec.common.errors import ConfigError
-from pardec.inference.decoders.decode_steps import BUCKET, DynamicSteps, StaticSteps, StepsPool, causal_block
+from pardec.inference.decoders.decode_steps import (
+    BUCKET,
+    SMALL,
+    DynamicSteps,
+    StaticSteps,
+    StepsPool,
+    causal_block,
+    step_width,
+)
 from pardec.inference.decoders.isd import StepMasks
 from pardec.inference.decoders.registry import build_decoder
 from tests.test_isd_decoder import MASK, MODELS, NO_EOS, PROMPTS, ar_greedy, isd, random_lm
@@ -57,6 +65,56 @@ def test_static_steps_equal_dynamic_steps_through_growth_and_crops(arch):
             dynamic.crop(before + keep)
             static.crop(before + keep)
     assert static.length == dynamic.length
+
+
+def test_step_widths():
+    assert [step_width(q) for q in (1, 5, SMALL, SMALL + 1, 2 * SMALL, 2 * SMALL + 1)] == [
+        1, 5, SMALL, 2 * SMALL, 2 * SMALL, 3 * SMALL]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_static_steps_pad_wide_steps_and_equal_dynamic_steps(arch):
+    """Steps wider than SMALL run padded to a multiple of it (a random mask over their own keys, shared
+    positions as offsets) and give the dynamic steps' logits, also when a stale padded key sits where the
+    next step writes; near the cache's end a step that the padding would overflow runs at its own width."""
+    model = random_lm(arch)
+    g = torch.Generator().manual_seed(1)
+    rand = lambda n: torch.randint(0, MASK, (n,), generator=g).tolist()  # noqa: E731
+    context = rand(5)
+    dynamic, static = DynamicSteps(model), StaticSteps(model, max_len=5 + 3 + 9 + 13, graphs=False)
+    dynamic.reset(context)
+    static.reset(context)
+    for q, keep in [(11, 3), (9, None), (13, None)]:  # the last: 5 + 3 + 9 + 16 > 30, so it runs at 13
+        visible = torch.rand((q, q), generator=g) < 0.6
+        visible |= torch.eye(q, dtype=torch.bool)
+        block = torch.zeros((1, 1, q, q)).masked_fill(~visible, torch.finfo(torch.float32).min)
+        offsets = [i // 2 for i in range(q)]
+        before = static.length
+        ids = rand(q)
+        expected, got = dynamic.forward(ids, block, offsets), static.forward(ids, block, offsets)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert static.length == dynamic.length == before + q
+        if keep is not None:
+            dynamic.crop(before + keep)
+            static.crop(before + keep)
+    assert sorted(static._steps) == [13, 16]
+
+
+@pytest.mark.parametrize("name", ["jacobi", "multiblock", "isd"])
+def test_static_steps_prepare_every_width_before_the_first_decode(name):
+    """StepsPool.get prepares (on CUDA: captures) every width the decoder's steps can take, so decoding
+    adds none: no graph is captured while a decode is timed."""
+    model = MODELS["parrot"]("llama")
+    cfg = {"name": name, "max_new_tokens": 24, "cuda_graphs": True, **{
+        "jacobi": {"block_size": 12}, "multiblock": {"block_size": 4, "num_blocks": 3, "verification_size": 2,
+                                                     "ngram_pool_size": 4, "spawn_ratio": 0.5},
+        "isd": {"stride": 4}}[name]}
+    decoder = build_decoder(cfg, None)
+    widest = {"jacobi": 12, "multiblock": 1 + (3 + 2) * 4, "isd": 8}[name]
+    prepared = sorted({step_width(q) for q in range(1, widest + 1)})
+    for prompt in PROMPTS:
+        decoder.decode_one(model, prompt, NO_EOS, 0)
+        assert sorted(StepsPool._static[model]._steps) == prepared, prompt
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -191,3 +249,4 @@ def test_graph_replays_equal_eager_static_steps_and_isd_equals_ar_on_cuda():
             multiblock = build_decoder({"name": "multiblock", "block_size": block_size, "max_new_tokens": 40,
                                         "cuda_graphs": True}, None)
             assert multiblock.decode_one(model, prompt, NO_EOS, 0).tokens == ar_greedy(model, prompt, 40)
+    assert all(step.graph is not None for step in StepsPool._static[model]._steps.values())  # prepared widths are captured

@@ -32,6 +32,15 @@ Conventions (one sequence, batch 1):
   (``torch.cuda.CUDAGraph``: the eager kernels replayed, so the numbers equal the eager static
   step's); elsewhere the same step runs eagerly (what the CPU tests compare with the
   ``DynamicCache`` decoders). The warm-up writes K/V at ``length ..``, past the committed keys.
+* widths: a step of ``q`` tokens runs at :func:`step_width` ``(q)``: ``q`` up to :data:`SMALL`, else
+  ``q`` rounded up to a multiple of it, the extra queries padding (the last id repeated, hidden from
+  the real queries, each seeing the committed keys and itself); their K/V land past the step's ``q``
+  and are stale. So a decoder whose widths vary (multi-block: the chain and its recycled candidates,
+  up to ``1 + (K + m) n`` tokens) has a few widths, not one per token count, and
+  :meth:`StaticSteps.prepare` (called by :meth:`StepsPool.get` with the decoder's widest step) has
+  every one captured before the first decode: none is captured while a decode is timed. Before
+  2026-11-28 each new width was captured when it first came up, and on the H200 the multi-block
+  row's captures fell inside its timed test problems (docs/results/real_gpu.md).
 
 Needs transformers' ``StaticLayer`` with a device-side ``cumulative_length`` (transformers >= 5).
 """
@@ -48,6 +57,12 @@ from pardec.common.kv_cache import crop_cache, select_cache_entries
 from pardec.inference.decoders.base import model_device, prefill
 
 BUCKET = 512  # static cache lengths are multiples of this: a longer problem re-allocates rarely
+SMALL = 8  # step widths up to this run as they are; wider ones are padded to a multiple of it
+
+
+def step_width(q: int) -> int:
+    """The width a static step of ``q`` tokens runs at (the module doc's "widths")."""
+    return q if q <= SMALL else -(-q // SMALL) * SMALL
 
 
 def causal_block(q: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -140,31 +155,53 @@ class StaticSteps:
                     kv[:, :, base:base + count] = kv[:, :, start:start + count].clone()
         self.length = base + count
 
+    def prepare(self, widest: int) -> None:
+        """Allocate every step width up to ``step_width(widest)`` (on CUDA with graphs: capture it), so
+        that no width is captured during a decode. Empties the cache (the captures write keys from slot
+        0): call it before :meth:`reset`."""
+        self.length = 0
+        self._length.fill_(0)
+        for width in sorted({step_width(q) for q in range(1, widest + 1)}):
+            if width not in self._steps and width <= self.max_len:
+                step = self._steps[width] = _Step(self, width)
+                if self.graphs:
+                    step.capture()
+
     def forward(self, ids: Sequence[int], block: torch.Tensor, offsets: Sequence[int] | None = None,
                 capture: bool = True) -> torch.Tensor:
         """Logits ``[q, V]`` of ``ids`` (q tokens) after the committed keys, masked by ``block
         [1, 1, q, q]``, at positions ``length + offsets`` (default ``0 .. q-1``); their K/V are
-        appended (``length += q``). ``capture=False`` runs eagerly without keeping the width's
-        buffers (a prefill's one-off width)."""
+        appended (``length += q``). The step runs at ``step_width(q)`` (padded; exactly ``q`` where the
+        padding would not fit the cache). ``capture=False`` runs eagerly at ``q`` without keeping the
+        width's buffers (a prefill's one-off width)."""
         q = len(ids)
         if self.length + q > self.max_len:
             raise ValueError(f"a step of {q} tokens after {self.length} overflows the static cache of {self.max_len}")
-        step = self._steps.get(q) if capture else None
+        width = step_width(q) if capture and self.length + step_width(q) <= self.max_len else q
+        step = self._steps.get(width) if capture else None
         if step is None:
-            step = _Step(self, q)
+            step = _Step(self, width)
             if capture:
-                self._steps[q] = step
-        step.ids.copy_(torch.tensor([list(ids)], dtype=torch.long), non_blocking=False)
-        step.offsets.copy_(torch.arange(q) if offsets is None else torch.tensor(list(offsets), dtype=torch.long))
-        step.block.copy_(block)
+                self._steps[width] = step
+        rel = torch.arange(q) if offsets is None else torch.tensor(list(offsets), dtype=torch.long)  # [q]
+        pad = width - q
+        step.ids.copy_(torch.tensor([list(ids) + [ids[-1]] * pad], dtype=torch.long), non_blocking=False)
+        step.offsets.copy_(torch.cat([rel, rel[-1:].expand(pad)]))  # [width]
+        if pad:
+            step.block.fill_(torch.finfo(self.dtype).min)  # [1, 1, width, width]
+            step.block[:, :, :q, :q] = block
+            padding = torch.arange(q, width)
+            step.block[0, 0, padding, padding] = 0.0  # a padding query sees itself (and the committed keys)
+        else:
+            step.block.copy_(block)
         self._length.fill_(self.length)
         if capture and self.graphs:
             if step.graph is None:
                 step.capture()
             step.graph.replay()
-            logits = step.logits.clone()  # the graph's output buffer is rewritten by its next replay
+            logits = step.logits[:, :q].clone()  # the graph's output buffer is rewritten by its next replay
         else:
-            logits = self._run(step)
+            logits = self._run(step)[:, :q]
         self.length += q
         return logits[0]  # [q, V]
 
@@ -218,11 +255,13 @@ class StepsPool:
     def __init__(self, cuda_graphs: bool):
         self.cuda_graphs = cuda_graphs
 
-    def get(self, model, needed: int) -> DynamicSteps | StaticSteps:
-        """Steps for a sample of at most ``needed`` keys (prompt, new tokens and one step's slack)."""
+    def get(self, model, needed: int, widest: int = 1) -> DynamicSteps | StaticSteps:
+        """Steps for a sample of at most ``needed`` keys (prompt, new tokens and one step's slack) whose
+        steps are at most ``widest`` tokens wide (static steps: every width prepared, the cache empty)."""
         if not self.cuda_graphs:
             return DynamicSteps(model)
         steps = self._static.get(model)
         if steps is None or steps.max_len < needed:
             self._static[model] = steps = StaticSteps(model, -(-needed // BUCKET) * BUCKET, graphs=True)
+        steps.prepare(widest)
         return steps

@@ -238,7 +238,7 @@ class ISDDecoder(PerSampleDecoder):
         n_drafts = stride - 1
 
         # 1. Prefill prompt[:-1]; the last prompt token is the first pending token (bootstrap).
-        steps = self.steps.get(model, len(prompt) + self.cfg.max_new_tokens + 2 * stride)
+        steps = self.steps.get(model, len(prompt) + self.cfg.max_new_tokens + 2 * stride, 2 * stride)
         steps.reset(prompt[:-1])
         pending = prompt[-1]
         drafts: list[int] = []

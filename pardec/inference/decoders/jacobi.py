@@ -144,7 +144,7 @@ class JacobiDecoder(PerSampleDecoder):
         device = model_device(model)
         rng = random.Random(seed)
         masks: dict[int, torch.Tensor] = {}  # causal mask per width, built once (no host work per step)
-        steps = self.steps.get(model, len(prompt) + cfg.max_new_tokens + block_size)
+        steps = self.steps.get(model, len(prompt) + cfg.max_new_tokens + block_size, block_size)
         steps.reset(prompt[:-1])  # the last prompt token is the first anchor
         anchor, position = prompt[-1], len(prompt)  # anchor at position - 1, not in the cache
         budget_end = len(prompt) + cfg.max_new_tokens

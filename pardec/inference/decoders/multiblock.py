@@ -353,7 +353,7 @@ class MultiBlockDecoder(PerSampleDecoder):
         pool = NgramPool(cfg.ngram_pool_size)
         block_size = resolve_block_size(model, cfg.block_size)
         widest = 1 + (cfg.num_blocks + cfg.verification_size) * block_size  # anchor, blocks in flight, candidates
-        steps = self.steps.get(model, len(prompt) + cfg.max_new_tokens + widest)
+        steps = self.steps.get(model, len(prompt) + cfg.max_new_tokens + widest, widest)
         steps.reset(prompt[:-1])  # the last prompt token is the first anchor
         spawn_threshold = math.ceil(cfg.spawn_ratio * block_size)
         state = BlockChain(len(prompt), block_size, len(prompt) + cfg.max_new_tokens)
