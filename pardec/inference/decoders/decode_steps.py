@@ -38,9 +38,8 @@ Conventions (one sequence, batch 1):
   and are stale. So a decoder whose widths vary (multi-block: the chain and its recycled candidates,
   up to ``1 + (K + m) n`` tokens) has a few widths, not one per token count, and
   :meth:`StaticSteps.prepare` (called by :meth:`StepsPool.get` with the decoder's widest step) has
-  every one captured before the first decode: none is captured while a decode is timed. Before
-  2026-11-28 each new width was captured when it first came up, and on the H200 the multi-block
-  row's captures fell inside its timed test problems (docs/results/real_gpu.md).
+  every one captured before the first decode: none is captured while a decode is timed
+  (docs/results/real_gpu.md, 2026-11-28, for what captures inside timed problems cost).
 
 Needs transformers' ``StaticLayer`` with a device-side ``cumulative_length`` (transformers >= 5).
 """
@@ -177,7 +176,9 @@ class StaticSteps:
         q = len(ids)
         if self.length + q > self.max_len:
             raise ValueError(f"a step of {q} tokens after {self.length} overflows the static cache of {self.max_len}")
-        width = step_width(q) if capture and self.length + step_width(q) <= self.max_len else q
+        width = step_width(q) if capture else q
+        if self.length + width > self.max_len:
+            width = q  # no room for the padding at the cache's end
         step = self._steps.get(width) if capture else None
         if step is None:
             step = _Step(self, width)
