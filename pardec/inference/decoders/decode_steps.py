@@ -39,7 +39,7 @@ Conventions (one sequence, batch 1):
   up to ``1 + (K + m) n`` tokens) has a few widths, not one per token count, and
   :meth:`StaticSteps.prepare` (called by :meth:`StepsPool.get` with the decoder's widest step) has
   every one captured before the first decode: none is captured while a decode is timed
-  (docs/results/real_gpu.md, 2026-11-28, for what captures inside timed problems cost).
+  (docs/results/real_gpu.md, 2026-11-28: captures that fell inside timed problems).
 
 Needs transformers' ``StaticLayer`` with a device-side ``cumulative_length`` (transformers >= 5).
 """
