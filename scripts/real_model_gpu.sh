@@ -9,10 +9,11 @@
 # - MDM=1 (default 0): the MDM conversion, MDM_ATTENTION=block (the default: experiment=smollm2_mdm_gpu,
 #   block-causal in blocks of 2), block32 (smollm2_mdm_block32_gpu) or bidir (smollm2_mdm_bidir_gpu,
 #   decoded in blocks of 32), then the tables named in MDM_TABLES, in that order (default "flashdlm
-#   cover"): the FlashDLM table (pardec.benchmarks.mdm_flashdlm; MDM_ROWS: its --rows, default all) and
-#   the COVER table (pardec.benchmarks.cover: tau_draft chosen on COVER_VAL val problems, default 10),
-#   both on PROBLEMS test problems, eager; the block32 and bidir runs' tables are named
-#   gpu_*_block32_<gpu> and gpu_*_bidir_<gpu>.
+#   cover"): the FlashDLM table (pardec.benchmarks.mdm_flashdlm; MDM_ROWS: its --rows, default all), in
+#   each of DECODE_MODES (graphs: gpu_mdm_flashdlm*_graphs_<gpu>; eager: gpu_mdm_flashdlm*_<gpu>), and
+#   the COVER table (pardec.benchmarks.cover: tau_draft chosen on COVER_VAL val problems, default 10;
+#   eager: COVER's override cannot be captured), both on PROBLEMS test problems; the block32 and bidir
+#   runs' tables are named gpu_*_block32_<gpu> and gpu_*_bidir_<gpu>.
 # - JACOBI=1 (default 0): the Jacobi Forcing conversion (experiment=smollm2_jacobi_forcing_gpu: trajectories
 #   collected 32 prompts at a time, one round at n=8), then the Jacobi Forcing table
 #   (pardec.benchmarks.jacobi_forcing: n among 4, 8, 16 chosen on JACOBI_VAL val problems, default 10; AR
@@ -22,7 +23,7 @@
 #   table (pardec.benchmarks.refusion, the CPU run's settings: b=16, tau among 0.9/0.7/0.5 chosen on
 #   REFUSION_VAL val problems, default 10, then the chosen tau and its KV-recomputation ablation) on
 #   PROBLEMS test problems, eager. Runs after Jacobi Forcing: with both, a time limit stops ReFusion first.
-# DECODE_MODES (default "graphs eager") names the I-DLM and Jacobi Forcing tables' decoding modes, in that
+# DECODE_MODES (default "graphs eager") names the I-DLM, FlashDLM and Jacobi Forcing tables' decoding modes, in that
 # order ("graphs" alone saves the eager table's minutes in a short device session).
 # Decoding is fp32, so "lossless" is checked token for token without bf16 rounding. Tables go to
 # benchmarks/results/real/gpu_*_<gpu>, the training commands' wall times to gpu_conversions_<gpu>.json
@@ -120,9 +121,13 @@ if [ "$with_mdm" = 1 ]; then
     "${tiny_data[@]}" "${tiny_steps[@]}"
   for table in $mdm_tables; do
     if [ $table = flashdlm ]; then
-      stamp "benchmark: AR greedy vs the MDM decoders (FlashDLM table, rows $mdm_rows), $problems test problems"
-      $py -m pardec.benchmarks.mdm_flashdlm --base $sft/hf --mdm $mdm/hf --num-samples "$problems" --rows "$mdm_rows" \
-        --device auto --dtype float32 --threads 8 --out $out/gpu_mdm_flashdlm${mdm_suffix}_$gpu$tag
+      for mode in $decode_modes; do
+        stamp "benchmark ($mode): AR greedy vs the MDM decoders (FlashDLM table, rows $mdm_rows), $problems test" \
+          "problems"
+        $py -m pardec.benchmarks.mdm_flashdlm --base $sft/hf --mdm $mdm/hf --num-samples "$problems" \
+          --rows "$mdm_rows" --device auto --dtype float32 --threads 8 $([ $mode = graphs ] && echo --cuda-graphs) \
+          --out $out/gpu_mdm_flashdlm${mdm_suffix}$([ $mode = graphs ] && echo _graphs)_$gpu$tag
+      done
     else
       stamp "benchmark: COVER table, tau_draft on $cover_val val problems, $problems test problems"
       $py -m pardec.benchmarks.cover --mdm $mdm/hf --num-samples "$problems" --num-validation "$cover_val" \

@@ -39,6 +39,26 @@ def test_mdm_flashdlm_real_model_flags(tmp_path):
     assert "template chat" in text and "--rows ar,lowconf1,fc_refresh,guided_shifted" in text  # main(argv)'s command
 
 
+def test_mdm_flashdlm_with_cuda_graphs_measures_what_eager_decoding_measures(tmp_path):
+    """--cuda-graphs: every row (AR, MDM and guide) over static steps; on CPU they run eagerly, so every
+    column but the timings equals the eager run's."""
+    from pardec.benchmarks.mdm_flashdlm import main
+
+    base, mdm = save_chat_checkpoint(tmp_path / "base"), chat_mdm_export(tmp_path / "mdm")
+    tables = {}
+    for flags in ([], ["--cuda-graphs"]):
+        out = tmp_path / f"r{len(flags)}"
+        main(["--base", str(base), "--mdm", str(mdm), "--num-samples", "2", "--gen-length", "8", "--block-size", "4",
+              "--template", "chat", "--threads", "1", "--out", str(out), *flags])
+        tables[bool(flags)] = json.loads(out.with_suffix(".json").read_text())
+    timed = {"tps", "tps_vs_mdm_baseline", "tps_vs_base_ar", "config"}
+    assert len(tables[True]) == len(tables[False]) == 9
+    for graphs, eager in zip(tables[True], tables[False]):
+        assert graphs["config"] == {**eager["config"], "cuda_graphs": True} and not eager["config"]["cuda_graphs"]
+        assert {k: v for k, v in graphs.items() if k not in timed} == {k: v for k, v in eager.items() if k not in timed}
+    assert "every decode step a CUDA graph" in (tmp_path / "r1.md").read_text()
+
+
 def test_cover_real_model_flags(tmp_path):
     from pardec.benchmarks.cover import main
 
@@ -55,15 +75,17 @@ def test_cover_real_model_flags(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_mdm_benchmarks_every_row_on_cuda(tmp_path):
     """Every MDM decoder row of both benchmarks runs on CUDA (fp32), and guided-shifted still
-    reproduces the base's AR greedy there."""
+    reproduces the base's AR greedy there, eagerly and with every step a CUDA graph."""
     from pardec.benchmarks.cover import main as cover
     from pardec.benchmarks.mdm_flashdlm import main as flashdlm
 
     base, mdm = save_chat_checkpoint(tmp_path / "base"), chat_mdm_export(tmp_path / "mdm")
-    flashdlm(["--base", str(base), "--mdm", str(mdm), "--num-samples", "2", "--gen-length", "8", "--block-size", "4",
-              "--template", "chat", "--device", "cuda", "--dtype", "float32", "--out", str(tmp_path / "f")])
-    rows = {r["key"]: r for r in json.loads((tmp_path / "f.json").read_text())}
-    assert len(rows) == 9 and rows["guided_shifted"]["identical_to_base_ar"] == 1.0
+    for flags in ([], ["--cuda-graphs"]):
+        flashdlm(["--base", str(base), "--mdm", str(mdm), "--num-samples", "2", "--gen-length", "8", "--block-size",
+                  "4", "--template", "chat", "--device", "cuda", "--dtype", "float32", "--out", str(tmp_path / "f"),
+                  *flags])
+        rows = {r["key"]: r for r in json.loads((tmp_path / "f.json").read_text())}
+        assert len(rows) == 9 and rows["guided_shifted"]["identical_to_base_ar"] == 1.0, flags
     cover(["--mdm", str(mdm), "--num-samples", "2", "--num-validation", "2", "--max-new-tokens", "8",
            "--block-size", "4", "--taus", "0.9", "--template", "chat", "--device", "cuda", "--out", str(tmp_path / "c")])
     assert len(json.loads((tmp_path / "c.json").read_text())["test"]) == 7

@@ -216,3 +216,17 @@ def test_gpu_script_saves_a_conversion_wall_time_once_its_tables_are_written(tmp
     assert "smollm2_jacobi_forcing_gpu\t" in (tmp_path / "runs" / "real_gpu_walls.tsv").read_text()
     expected = ["smollm2_sft_gpu"] + ([] if table_fails else ["smollm2_jacobi_forcing_gpu"])
     assert list(saved_conversions(tmp_path)) == expected
+
+
+def test_gpu_script_runs_the_flashdlm_table_in_each_decode_mode(tmp_path):
+    """MDM=1: the FlashDLM table once per DECODE_MODES entry (graphs: --cuda-graphs, its own table name), the
+    COVER table once, eager."""
+    done = run_gpu_script(tmp_path, MDM="1", DECODE_MODES="graphs eager")
+    assert done.returncode == 0, done.stdout + done.stderr
+    benchmarks = [line for line in done.stdout.splitlines() if line.startswith("stub: -m pardec.benchmarks.")]
+    flashdlm = [line for line in benchmarks if "mdm_flashdlm" in line]
+    assert len(flashdlm) == 2 and len(benchmarks) == 3
+    out = "--out benchmarks/results/real/gpu_mdm_flashdlm"
+    assert "--cuda-graphs" in flashdlm[0] and flashdlm[0].endswith(f"{out}_graphs_cpu")
+    assert "--cuda-graphs" not in flashdlm[1] and flashdlm[1].endswith(f"{out}_cpu")
+    assert "--cuda-graphs" not in next(line for line in benchmarks if "benchmarks.cover" in line)

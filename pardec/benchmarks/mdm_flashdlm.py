@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="every row decodes with cuda_graphs=true (static cache, each step width a CUDA graph)")
     p.add_argument("--chunk-dir", default=None,
                    help="decode in chunks of problems saved here, resumed when run again (pardec.benchmarks.chunks)")
     p.add_argument("--chunk-size", type=int, default=10, help="problems per chunk (with --chunk-dir)")
@@ -66,12 +68,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def rows_config(args) -> list[tuple[str, str, str, dict | None]]:
     """(key, label, model, decoder config) per row; the baseline row is ``lowconf1``."""
-    mdm = {"max_new_tokens": args.gen_length, "block_size": args.block_size, "batch_size": 1}
+    mdm = {"max_new_tokens": args.gen_length, "block_size": args.block_size, "batch_size": 1,
+           "cuda_graphs": args.cuda_graphs}
     fc = {"freecache": True}
     guided = {"name": "mdm_guided", "guide": args.base, **mdm}
     half = max(args.block_size // 2, 1)
     return [
-        ("ar", "AR greedy (base)", "base", {"name": "ar", "max_new_tokens": args.gen_length, "batch_size": 1}),
+        ("ar", "AR greedy (base)", "base",
+         {"name": "ar", "max_new_tokens": args.gen_length, "batch_size": 1, "cuda_graphs": args.cuda_graphs}),
         ("lowconf1", "MDM low-confidence, 1 token/step (baseline)", "mdm", {"name": "mdm_lowconf", **mdm}),
         ("lowconf2", "MDM low-confidence, 2 tokens/step", "mdm",
          {"name": "mdm_lowconf", "steps_per_block": half, **mdm}),
@@ -165,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
         progress = progress_note(args.chunk_dir, args.chunk_size, done, len(eval_rows))
         write_results(args.out, invoked_command("pardec.benchmarks.mdm_flashdlm", argv),
                       f"{done} problems ({split}){progress}, generation length {args.gen_length}, "
-                      f"block {args.block_size}, batch 1, {args.dtype} on {args.device} ({args.threads} threads), "
+                      f"block {args.block_size}, batch 1, {args.dtype} on {args.device} ({args.threads} threads"
+                      f"{', every decode step a CUDA graph' if args.cuda_graphs else ''}), "
                       f"template {args.template}.\n\n{md}", table)
 
     fingerprint = {"benchmark": "mdm_flashdlm", "base": args.base, "mdm": args.mdm, "split": args.split,

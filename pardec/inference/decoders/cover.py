@@ -220,6 +220,8 @@ def remember_mask_kv(memory, recorded, fed_masks: torch.Tensor):
 class CoverDecoder(MDMDecoder):
     name = "cover"
     no_freecache_reason = "COVER runs one full forward per step (its K/V override replaces the previous step's K/V)"
+    no_cuda_graphs_reason = ("COVER's K/V-override attention takes each step's seeds and injected K/V as Python "
+                             "arguments and returns the last layer's attention, which a captured graph cannot replay")
 
     def __init__(self, cfg: CoverConfig, tokenizer):
         super().__init__(cfg, tokenizer)

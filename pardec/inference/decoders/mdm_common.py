@@ -38,6 +38,15 @@ Cache modes:
 
   The prompt (but its last token) is frozen from the first full forward.
 
+**CUDA graphs** (``cuda_graphs: true``, batch 1): every DLM forward runs through the model's static
+steps (:mod:`pardec.inference.decoders.decode_steps`): the cache keeps the first ``c`` keys of the
+last forward (``c = 0``: emptied) and the window ``x[c:n]`` is one step with the window's own part of
+the mask, ``full_mask[c:n, c:n]``. That is the eager forward: with either attention every position
+of the window sees every position left of it, the static step's convention for the cached keys (the
+eager and static decodes are compared token for token in the tests). Every width up to the decoder's
+widest forward (:meth:`MDMDecoder.widest_step`) is captured before the first step. COVER's steps
+cannot be captured (``no_cuda_graphs_reason``).
+
 **``<|mask|>`` is never proposed.** Every DLM forward of an MDM decoder goes through
 :meth:`BlockRun.forward`, which sets the mask id's logit to -inf (:func:`forbid_mask`) before any
 decoder reads it, so no draft, commit, Replace or confidence ever involves ``<|mask|>``, however the
@@ -83,6 +92,7 @@ from pardec.common.metadata import MDM_BIDIRECTIONAL, MDM_BLOCK, CheckpointMetad
 from pardec.inference.decoders.base import (
     DecodeResult, DecoderConfig, LoopTimer, PerSampleDecoder, forbid_mask, model_device,
 )
+from pardec.inference.decoders.decode_steps import SMALL, StaticSteps, StepsPool
 from pardec.masks.core import additive_mask, require_dense_attention
 from pardec.masks.mdm import ATTENTIONS, BLOCK, answer_block_ids, mdm_mask
 from pardec.models.bidirectional import non_causal
@@ -111,6 +121,9 @@ class MDMDecoderConfig(DecoderConfig):
     freecache: bool = False
     # refresh (default: a finished block's K/V recomputed with its final tokens) | freeze_last (official)
     freecache_mode: FreecacheMode = FreecacheMode.refresh
+    # Each step width as a CUDA graph over a static cache (module doc, "CUDA graphs"; on a GPU, so that
+    # TPS follows TPF; elsewhere the same static steps run eagerly). The guide's steps too.
+    cuda_graphs: bool = False
 
 
 @dataclass(frozen=True)
@@ -152,11 +165,17 @@ class MDMDecoder(PerSampleDecoder):
     default_cache = NONE
     # Why a decoder cannot use FreeCache (it needs one full forward per step), or None when it can.
     no_freecache_reason: str | None = None
+    # Why a decoder cannot run its steps as CUDA graphs, or None when it can.
+    no_cuda_graphs_reason: str | None = None
 
     def __init__(self, cfg: MDMDecoderConfig, tokenizer):
         super().__init__(cfg, tokenizer)
         if cfg.freecache and self.no_freecache_reason:
             raise ConfigError(f"config key 'decoder.freecache' = true: {self.no_freecache_reason}; use freecache=false")
+        if cfg.cuda_graphs and self.no_cuda_graphs_reason:
+            raise ConfigError(f"config key 'decoder.cuda_graphs' = true: {self.no_cuda_graphs_reason}; "
+                              "use cuda_graphs=false")
+        self.steps = StepsPool(cfg.cuda_graphs)
         self.kv_snapshots: list[dict[str, Any]] | None = None  # tests: set to [] to record frozen K/V
 
     @property
@@ -195,8 +214,13 @@ class MDMDecoder(PerSampleDecoder):
 
     # -- subclass hooks --------------------------------------------------------------------------
 
-    def begin(self, model, prompt: list[int]) -> None:
+    def begin(self, run: BlockRun, prompt: list[int]) -> None:
         """Per-sample setup before the timed loop (the guide's prefill)."""
+
+    def widest_step(self, n: int, block: int) -> int:
+        """The most tokens one DLM forward feeds, for a sequence of ``n`` and decoding blocks of
+        ``block`` (``cuda_graphs``: every width up to it is captured before the first step)."""
+        return n
 
     def select(self, logits: torch.Tensor, masked: torch.Tensor, step: int, run: BlockRun) -> dict[int, int]:
         """``{block offset: token}`` to commit this step; ``logits [B, V]`` predict the block's
@@ -218,7 +242,7 @@ class MDMDecoder(PerSampleDecoder):
     def decode_one(self, model, prompt: list[int], eos_token_ids: Collection[int], seed: int) -> DecodeResult:
         run = self.start_run(model, prompt, "MDM decoding")
         device = run.x.device
-        self.begin(model, prompt)
+        self.begin(run, prompt)
         eos = set(eos_token_ids)
 
         with LoopTimer(device) as timer:
@@ -316,6 +340,10 @@ class BlockRun:
         predicate = mdm_mask(info.attention, **metadata)
         self.full_mask = additive_mask(predicate, 1, n, n, model.dtype, device)  # [1, 1, n, n]
         self.cache: DynamicCache | None = None
+        self.steps: StaticSteps | None = None  # cuda_graphs: the model's static steps, every width prepared
+        if decoder.cfg.cuda_graphs:
+            widest = decoder.widest_step(n, block)
+            self.steps = decoder.steps.get(model, widest + SMALL, widest)  # + SMALL: room for a step's padding
         self.mode = decoder.cache_mode
         self.dlm_forwards = 0
         self.guide_forwards = 0
@@ -356,31 +384,57 @@ class BlockRun:
         c = self.window_start(b, step)
         n = self.window_end(e)
         use_cache = self.mode != NONE
-        if use_cache:
-            if c == 0:
-                self.cache = DynamicCache(config=self.model.config)
-            crop_cache(self.cache, c)
-            assert self.cache.get_seq_length() == c, (self.cache.get_seq_length(), c)
         fed = self.x[c:n].clone()  # [n - c]
-        logits = self.forward(
-            input_ids=fed[None],
-            position_ids=torch.arange(c, n, device=self.x.device)[None],
-            # [1, 1, n - c, n]: query i is key c + i. A copy, not a view: a view's unaligned start crashed
-            # SDPA's memory-efficient CUDA kernel once (pardec.inference.decoders.isd.StepMasks)
-            attention_mask=self.full_mask[:, :, c:n, :n].contiguous(),
-            past_key_values=self.cache if use_cache else None,
-            use_cache=use_cache,
-        )
+        if self.steps is not None:
+            # Every query of the window sees every key left of it (both attentions): the static step's convention.
+            logits = self.static_forward(c, fed, self.full_mask[:, :, c:n, c:n])
+        else:
+            if use_cache:
+                if c == 0:
+                    self.cache = DynamicCache(config=self.model.config)
+                crop_cache(self.cache, c)
+                assert self.cache.get_seq_length() == c, (self.cache.get_seq_length(), c)
+            logits = self.forward(
+                input_ids=fed[None],
+                position_ids=torch.arange(c, n, device=self.x.device)[None],
+                # [1, 1, n - c, n]: query i is key c + i. A copy, not a view: a view's unaligned start crashed
+                # SDPA's memory-efficient CUDA kernel once (pardec.inference.decoders.isd.StepMasks)
+                attention_mask=self.full_mask[:, :, c:n, :n].contiguous(),
+                past_key_values=self.cache if use_cache else None,
+                use_cache=use_cache,
+            )
         if use_cache:
             self.after_forward(b, s, e, c, fed)
         return logits[s - 1 - c : e - 1 - c]  # [B, V]: output j-1 predicts position j
 
     def forward(self, **inputs) -> torch.Tensor:
         """One counted DLM forward ``model(**inputs)`` (batch 1): its logits ``[q, V]`` with
-        ``<|mask|>`` forbidden (:func:`forbid_mask`). Every MDM decoder's DLM forward goes through here."""
+        ``<|mask|>`` forbidden (:func:`forbid_mask`). Every eager MDM decoder's DLM forward goes through here,
+        every ``cuda_graphs`` one through :meth:`static_forward`."""
         out = self.model(**inputs)
         self.dlm_forwards += 1
         return forbid_mask(out.logits[0], self.info.mask_id)
+
+    def static_forward(self, cached: int, ids: torch.Tensor, block: torch.Tensor,
+                       positions: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`forward` through the static steps (``cuda_graphs``): ``ids [q]`` after the first
+        ``cached`` keys of the last forwards (0: none), every query seeing all of them and ``block
+        [1, 1, q, q]`` over the fed keys, at ``positions [q]`` (default ``cached .. cached + q - 1``)."""
+        if cached:
+            self.steps.crop(cached)
+        else:
+            self.steps.reset([])
+        offsets = None if positions is None else (positions - cached).tolist()
+        logits = self.steps.forward(ids.tolist(), block, offsets)
+        self.dlm_forwards += 1
+        return forbid_mask(logits, self.info.mask_id)
+
+    def crop(self, length: int) -> None:
+        """Keep the DLM cache's first ``length`` keys."""
+        if self.steps is not None:
+            self.steps.crop(length)
+        else:
+            crop_cache(self.cache, length)
 
     @property
     def freeze_last(self) -> bool:
@@ -392,7 +446,7 @@ class BlockRun:
             # Whether this was the block's last step is known after select(): commit() crops.
             self._pending = (b, e - 1, c, fed)
             return
-        crop_cache(self.cache, s - 1)  # prefix cache, FreeCache refresh: positions < s - 1 stay
+        self.crop(s - 1)  # prefix cache, FreeCache refresh: positions < s - 1 stay
         if self.mode == FREECACHE and c < s - 1:
             self._snapshot(b - 1, s - 1, c, fed)  # this forward refreshed block b-1 (-1: the prompt)
 
@@ -407,17 +461,18 @@ class BlockRun:
         if self.freeze_last:
             block, frozen_len, c, fed = self._pending
             if not self.masked_in_block(b).any():
-                crop_cache(self.cache, frozen_len)  # the block's last-step K/V, masks included
+                self.crop(frozen_len)  # the block's last-step K/V, masks included
                 self._snapshot(block, frozen_len, c, fed)
             else:
-                crop_cache(self.cache, s - 1)
+                self.crop(s - 1)
 
     def _snapshot(self, block: int, frozen_len: int, c: int, fed: torch.Tensor) -> None:
         if self.decoder.kv_snapshots is None:
             return
         tokens = torch.cat([self.x[:c], fed])  # the sequence as that forward saw it
+        cache = self.cache if self.steps is None else self.steps.cache
         layers = [(layer.keys[:, :, :frozen_len].clone(), layer.values[:, :, :frozen_len].clone())
-                  for layer in self.cache.layers]
+                  for layer in cache.layers]
         self.decoder.kv_snapshots.append({"block": block, "frozen_len": frozen_len, "tokens": tokens, "kv": layers})
 
     def done(self, eos: set[int]) -> bool:

@@ -21,7 +21,9 @@ With n = the longest accepted prefix:
   is then the guide's greedy choice after the committed prefix: the output equals the guide's AR
   greedy output token for token (lossless w.r.t. the guide).
 
-The guide cache is cropped to the new committed prefix minus its last token. ``freecache=true``
+The guide cache is cropped to the new committed prefix minus its last token; its forwards run
+through :mod:`pardec.inference.decoders.decode_steps` (static, each width a CUDA graph, with
+``cuda_graphs``, as the DLM's). ``freecache=true``
 runs the DLM forwards with FreeCache (:mod:`pardec.inference.decoders.mdm_common`). ``decoder.guide`` names
 the guide's export (validation loads it once: ``self.auxiliary["guide"]``); by default the
 benchmark passes the AR base the MDM was converted from. Its tokenizer must be the MDM's minus
@@ -44,10 +46,9 @@ from transformers import AutoTokenizer
 from pardec.common.config_fields import Choice, ranged
 from pardec.common.constants import MASK_TOKEN, METADATA_KEY
 from pardec.common.errors import ConfigError
-from pardec.common.kv_cache import crop_cache
 from pardec.common.metadata import CheckpointMetadata
-from pardec.inference.decoders.base import model_device, prefill
-from pardec.inference.decoders.base import forbid_mask
+from pardec.inference.decoders.base import forbid_mask, model_device
+from pardec.inference.decoders.decode_steps import SMALL, DynamicSteps, StaticSteps, StepsPool, causal_block
 from pardec.inference.decoders.mdm_common import BlockRun, MDMDecoder, MDMDecoderConfig
 
 
@@ -104,7 +105,8 @@ class MDMGuidedDecoder(MDMDecoder):
     def __init__(self, cfg: MDMGuidedConfig, tokenizer):
         super().__init__(cfg, tokenizer)
         self._checked_guide = None
-        self._cache = None
+        self.guide_steps = StepsPool(cfg.cuda_graphs)  # the guide's steps (causal), static with cuda_graphs
+        self._steps: DynamicSteps | StaticSteps | None = None
 
     @property
     def guide(self):
@@ -122,11 +124,10 @@ class MDMGuidedDecoder(MDMDecoder):
         with super().prepare(model):
             yield
 
-    def begin(self, model, prompt: list[int]) -> None:
-        guide = self.guide
-        device = model_device(guide)
-        context = torch.tensor([prompt[:-1]], dtype=torch.long, device=device)  # [1, P-1]
-        self._cache = prefill(guide, context, torch.ones_like(context))
+    def begin(self, run: BlockRun, prompt: list[int]) -> None:
+        widest = 1 + run.block  # [x_{m-1}, drafts]
+        self._steps = self.guide_steps.get(self.guide, len(prompt) + self.cfg.max_new_tokens + widest + SMALL, widest)
+        self._steps.reset(prompt[:-1])
 
     def select(self, logits: torch.Tensor, masked: torch.Tensor, step: int, run: BlockRun) -> dict[int, int]:
         first = int(masked.nonzero()[0])
@@ -136,23 +137,15 @@ class MDMGuidedDecoder(MDMDecoder):
         s, _ = run.span(run.current)
         m = s + first  # absolute position of the first draft
         guide = self.guide
-        device = model_device(guide)
 
-        # 1. Guide forward over [x_{m-1}, drafts] after the cache of positions < m - 1.
-        assert self._cache.get_seq_length() == m - 1, (self._cache.get_seq_length(), m - 1)
-        fed = torch.cat([run.x[m - 1 : m], drafts]).to(device)  # [1 + d]
-        kv_len = m + drafts.numel()
-        out = guide(
-            input_ids=fed[None],
-            position_ids=torch.arange(m - 1, kv_len, device=device)[None],
-            attention_mask=torch.ones((1, kv_len), dtype=torch.long, device=device),
-            past_key_values=self._cache,
-            use_cache=True,
-        )
+        # 1. Guide forward over [x_{m-1}, drafts] after the cache of positions < m - 1 (causal).
+        assert self._steps.length == m - 1, (self._steps.length, m - 1)
+        fed = [int(run.x[m - 1])] + drafts.tolist()  # [1 + d]
+        logits = self._steps.forward(fed, causal_block(len(fed), guide.dtype, model_device(guide)))  # [1 + d, V]
         run.guide_forwards += 1
         # [d, V]: row k is the guide at m + k. <|mask|> is not in the guide's tokenizer, but its id may be a padding
         # row of the guide's output; committed (commit=shifted) it would leave the position masked forever.
-        g = torch.softmax(forbid_mask(out.logits[0, :-1].float(), run.info.mask_id), dim=-1)
+        g = torch.softmax(forbid_mask(logits[:-1].float(), run.info.mask_id), dim=-1)
         top2_p, top2 = g.topk(2, dim=-1)  # [d, 2]
 
         # 2. Longest accepted prefix of drafts.
@@ -173,7 +166,7 @@ class MDMGuidedDecoder(MDMDecoder):
                 commits[first + n] = int(top2[n, 0])
             elif n == 0:
                 commits[first] = int(drafts[0])
-        crop_cache(self._cache, m + len(commits) - 1)
+        self._steps.crop(m + len(commits) - 1)
         return commits
 
     def summarize(self, records):

@@ -91,6 +91,9 @@ class WinoDecoder(MDMDecoder):
     def __init__(self, cfg: WinoConfig, tokenizer):
         super().__init__(cfg, tokenizer)
 
+    def widest_step(self, n: int, block: int) -> int:
+        return n + block  # the sequence and one shadow row per block position
+
     def shadow_forward(self, run: BlockRun, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(real logits [B, V] predicting the block, shadow logits [B, V] verifying it)``."""
         s, e = run.span(b)
@@ -106,7 +109,10 @@ class WinoDecoder(MDMDecoder):
         shadow[torch.arange(k, device=device), torch.arange(s, e, device=device)] = neg  # hide the verified token
         mask[0, 0, n:, :n] = shadow
         mask[0, 0, n + torch.arange(k, device=device), n + torch.arange(k, device=device)] = 0  # itself only
-        logits = run.forward(input_ids=ids[None], position_ids=positions[None], attention_mask=mask)  # [n + k, V]
+        if run.steps is not None:
+            logits = run.static_forward(0, ids, mask, positions)  # [n + k, V]
+        else:
+            logits = run.forward(input_ids=ids[None], position_ids=positions[None], attention_mask=mask)  # [n + k, V]
         return logits[s - 1 : e - 1], logits[n:]
 
     @torch.inference_mode()
