@@ -22,9 +22,10 @@
 # - REFUSION=1 (default 0): the ReFusion conversion (experiment=smollm2_refusion_gpu), then the ReFusion
 #   table (pardec.benchmarks.refusion, the CPU run's settings: b=16, tau among 0.9/0.7/0.5 chosen on
 #   REFUSION_VAL val problems, default 10, then the chosen tau and its KV-recomputation ablation) on
-#   PROBLEMS test problems, eager. Runs after Jacobi Forcing: with both, a time limit stops ReFusion first.
-# DECODE_MODES (default "graphs eager") names the I-DLM, FlashDLM and Jacobi Forcing tables' decoding modes, in that
-# order ("graphs" alone saves the eager table's minutes in a short device session).
+#   PROBLEMS test problems, in each of DECODE_MODES (graphs: gpu_refusion_graphs_<gpu>; eager:
+#   gpu_refusion_<gpu>). Runs after Jacobi Forcing: with both, a time limit stops ReFusion first.
+# DECODE_MODES (default "graphs eager") names the I-DLM, FlashDLM, Jacobi Forcing and ReFusion tables' decoding
+# modes, in that order ("graphs" alone saves the eager table's minutes in a short device session).
 # Decoding is fp32, so "lossless" is checked token for token without bf16 rounding. Tables go to
 # benchmarks/results/real/gpu_*_<gpu>, the training commands' wall times to gpu_conversions_<gpu>.json
 # (a conversion's entry once its tables are written, replacing the same run's from an earlier session: a
@@ -153,11 +154,14 @@ fi
 if [ "$with_refusion" = 1 ]; then
   train $refusion/DONE experiment=smollm2_refusion_gpu experiment_name=smollm2_refusion_gpu$tag model.path=$sft/hf \
     "${tiny_data[@]}" "${tiny_steps[@]}"
-  stamp "benchmark: AR greedy vs ReFusion (tau on $refusion_val val problems), $problems test problems"
-  $py -m pardec.benchmarks.refusion --base $sft/hf --refusion $refusion/hf --num-samples "$problems" \
-    --num-val "$refusion_val" --block-sizes 16 --first-tokens mask --thresholds 0.9 0.7 0.5 --max-drop 0.03 \
-    --test-chosen-only --ablations kv_reuse --no-own-ar --goal-drop 0.03 --goal-reuse 2 --max-new-tokens 96 \
-    --device auto --dtype float32 --threads 8 --out $out/gpu_refusion_$gpu$tag
+  for mode in $decode_modes; do
+    stamp "benchmark ($mode): AR greedy vs ReFusion (tau on $refusion_val val problems), $problems test problems"
+    $py -m pardec.benchmarks.refusion --base $sft/hf --refusion $refusion/hf --num-samples "$problems" \
+      --num-val "$refusion_val" --block-sizes 16 --first-tokens mask --thresholds 0.9 0.7 0.5 --max-drop 0.03 \
+      --test-chosen-only --ablations kv_reuse --no-own-ar --goal-drop 0.03 --goal-reuse 2 --max-new-tokens 96 \
+      --device auto --dtype float32 --threads 8 $([ $mode = graphs ] && echo --cuda-graphs) \
+      --out $out/gpu_refusion$([ $mode = graphs ] && echo _graphs)_$gpu$tag
+  done
   write_walls smollm2_refusion_gpu$tag
 fi
 stamp "finished; conversion wall times: $out/gpu_conversions_$gpu.json"

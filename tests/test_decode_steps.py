@@ -201,6 +201,40 @@ def test_ar_cuda_graphs_refuses_batches():
         build_decoder({"name": "ar", "batch_size": 4, "cuda_graphs": True}, None)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_static_steps_with_context_masks_and_selects_equal_dynamic_steps(arch):
+    """Steps whose queries see only some cached keys (a random ``context`` mask), at positions before the
+    first uncached one (negative offsets), with the cache reordered by ``select`` in between (ReFusion's
+    pattern), give the dynamic steps' logits; a later step without a context mask sees every key again."""
+    model = random_lm(arch)
+    g = torch.Generator().manual_seed(2)
+    rand = lambda n: torch.randint(0, MASK, (n,), generator=g).tolist()  # noqa: E731
+    minimum = torch.finfo(torch.float32).min
+    dynamic, static = DynamicSteps(model), StaticSteps(model, max_len=64, graphs=False)
+    for steps in (dynamic, static):
+        steps.reset([5, 6, 7, 8, 9, 10])
+    script = [(3, True, None), (10, True, [0, 1, 2, 3, 4, 5, 12, 13, 6, 7]), (4, False, [0, 1, 9, 8, 2, 3]),
+              (2, True, None), (9, False, None)]
+    for q, with_context, selection in script:
+        length = static.length
+        context = None
+        if with_context:
+            visible = torch.rand((q, length), generator=g) < 0.5
+            visible[:, 0] = True
+            context = torch.zeros((1, 1, q, length)).masked_fill(~visible, minimum)
+        block = causal_block(q, model.dtype, "cpu")
+        offsets = (torch.randint(-length, q, (q,), generator=g)).tolist()
+        ids = rand(q)
+        expected = dynamic.forward(ids, block, offsets, context)
+        torch.testing.assert_close(static.forward(ids, block, offsets, context), expected, rtol=1e-5, atol=1e-5)
+        if selection is not None:
+            for steps in (dynamic, static):
+                steps.select(selection)
+        assert static.length == dynamic.length
+    with pytest.raises(ValueError, match="select keys"):
+        static.select([0, static.length])
+
+
 def test_static_steps_refuse_overflow_and_bad_crops():
     model = random_lm("qwen3")
     steps = StaticSteps(model, max_len=8, graphs=False)

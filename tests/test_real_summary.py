@@ -230,3 +230,14 @@ def test_gpu_script_runs_the_flashdlm_table_in_each_decode_mode(tmp_path):
     assert "--cuda-graphs" in flashdlm[0] and flashdlm[0].endswith(f"{out}_graphs_cpu")
     assert "--cuda-graphs" not in flashdlm[1] and flashdlm[1].endswith(f"{out}_cpu")
     assert "--cuda-graphs" not in next(line for line in benchmarks if "benchmarks.cover" in line)
+
+
+def test_gpu_script_runs_the_refusion_table_in_each_decode_mode(tmp_path):
+    """REFUSION=1: the ReFusion table once per DECODE_MODES entry (graphs: --cuda-graphs, its own table name)."""
+    done = run_gpu_script(tmp_path, REFUSION="1", DECODE_MODES="graphs eager")
+    assert done.returncode == 0, done.stdout + done.stderr
+    refusion = [line for line in done.stdout.splitlines() if line.startswith("stub: -m pardec.benchmarks.refusion")]
+    assert len(refusion) == 2
+    out = "--out benchmarks/results/real/gpu_refusion"
+    assert "--cuda-graphs" in refusion[0] and refusion[0].endswith(f"{out}_graphs_cpu")
+    assert "--cuda-graphs" not in refusion[1] and refusion[1].endswith(f"{out}_cpu")

@@ -85,9 +85,8 @@ def test_goals_follow_the_flags_and_skip_recomputation_when_not_run():
     assert goals == {"tpf_2.5_within_2%": False} and "recomputation" not in text
 
 
-def test_real_model_run_flags_end_to_end(tmp_path):
-    """The flags reproduce --real uses, on tiny chat checkpoints: the chosen tau alone on test, only the
-    recomputation ablation, no own-AR rows ("= own AR" absent), the goals as asked."""
+def run_real_model_flags(tmp_path, *flags: str) -> dict:
+    """The benchmark with the flags ``reproduce --real`` uses (and ``flags``) on tiny chat checkpoints."""
     import json
 
     from pardec.benchmarks.refusion import main
@@ -108,8 +107,14 @@ def test_real_model_run_flags_end_to_end(tmp_path):
     main(["--base", str(base), "--refusion", str(tmp_path / "refusion"), "--num-val", "2", "--num-samples", "2",
           "--block-sizes", "4", "8", "--first-tokens", "mask", "--thresholds", "0.9", "0.5", "--test-chosen-only",
           "--ablations", "kv_reuse", "--no-own-ar", "--goal-drop", "0.03", "--goal-reuse", "2",
-          "--max-new-tokens", "8", "--threads", "1", "--out", str(out)])
-    payload = json.loads(out.with_suffix(".json").read_text())
+          "--max-new-tokens", "8", "--threads", "1", "--out", str(out), *flags])
+    return json.loads(out.with_suffix(".json").read_text())
+
+
+def test_real_model_run_flags_end_to_end(tmp_path):
+    """The flags reproduce --real uses, on tiny chat checkpoints: the chosen tau alone on test, only the
+    recomputation ablation, no own-AR rows ("= own AR" absent), the goals as asked."""
+    payload = run_real_model_flags(tmp_path)
     assert len(payload["validation"]) == 1 + 4 and all(r["identical_to_own_ar"] is None for r in payload["validation"])
     chosen = payload["chosen_label"]
     assert [r["decoder"] for r in payload["test"]] == ["AR greedy (base)", chosen, chosen + ", kv_reuse=false"]
@@ -118,3 +123,17 @@ def test_real_model_run_flags_end_to_end(tmp_path):
     assert all(r["num_samples"] == 2 for r in payload["test"])
     # recomputation decodes the same tokens as KV reuse (the ablation changes the cost only)
     assert payload["test"][1]["accuracy"] == payload["test"][2]["accuracy"]
+
+
+def test_cuda_graphs_rows_measure_what_eager_rows_measure(tmp_path):
+    """--cuda-graphs: every row (AR greedy, ReFusion with KV reuse and recomputation) over static steps; on
+    CPU they run eagerly, so every column but the timings equals the eager run's."""
+    eager = run_real_model_flags(tmp_path / "eager")
+    graphs = run_real_model_flags(tmp_path / "graphs", "--cuda-graphs")
+    assert graphs["chosen_label"] == eager["chosen_label"]
+    for phase in ("validation", "test"):
+        assert len(graphs[phase]) == len(eager[phase]) > 1
+        for got, expected in zip(graphs[phase], eager[phase]):
+            assert got["config"] == {**expected["config"], "cuda_graphs": True}
+            untimed = lambda row: {k: v for k, v in row.items() if k not in ("tps", "tps_ratio", "config")}  # noqa: E731
+            assert untimed(got) == untimed(expected)

@@ -13,6 +13,7 @@ import pardec.inference.decoders.refusion as refusion_module
 from pardec.common.constants import MASK_TOKEN
 from pardec.common.errors import ConfigError
 from pardec.common.metadata import CheckpointMetadata
+from pardec.inference.decoders.decode_steps import step_width
 from pardec.inference.decoders.refusion import ReFusionDecoder, ReFusionDecoderConfig
 from pardec.inference.decoders.registry import build_decoder
 from pardec.masks.refusion import SHARED
@@ -120,11 +121,13 @@ def reference_kv(model, ctx):
 
 
 def assert_cache_matches_reference(model, ctx):
+    """The context's cached K/V (its steps' first ``len(ctx)`` keys, dynamic or static) equal the reference's."""
     ref = reference_kv(model, ctx)
-    assert len(ctx.cache.layers) == len(ref)
-    for ours, (keys, values) in zip(ctx.cache.layers, ref, strict=True):
-        torch.testing.assert_close(ours.keys, keys, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(ours.values, values, atol=1e-5, rtol=1e-5)
+    layers = ctx.steps.cache.layers
+    assert len(layers) == len(ref) and ctx.steps.length == len(ctx)
+    for ours, (keys, values) in zip(layers, ref, strict=True):
+        torch.testing.assert_close(ours.keys[:, :, : len(ctx)], keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.values[:, :, : len(ctx)], values, atol=1e-5, rtol=1e-5)
 
 
 def assert_valid(result, tokenizer, max_new_tokens=24):
@@ -259,7 +262,7 @@ def test_recompute_context_holds_the_output_in_position_order(tokenizer, recordi
                     kv_reuse=False)
     assert_valid(result, tokenizer)
     ctx = recording[0]
-    assert ctx.cache is None
+    assert ctx.steps is None
     by_pos = dict(zip(ctx.pos, ctx.ids))
     assert [by_pos[len(PROMPTS[0]) + j] for j in range(len(result.tokens))] == result.tokens
 
@@ -467,3 +470,55 @@ def test_ar_first_token_sampled_is_valid_and_the_same_with_kv_reuse(tokenizer, t
                        mode="sample", temperature=1.5, kv_reuse=kv_reuse) for kv_reuse in (True, False)]
         assert runs[0].tokens == runs[1].tokens
         assert_valid(runs[0], tokenizer)
+
+
+# --- cuda_graphs: the static steps (run eagerly on CPU) -------------------------------------------
+
+STATIC_CASES = [
+    {"threshold": 1.0, "block_size": 8},  # one slot per step, completed
+    {"threshold": 0.3, "block_size": 4},  # partial verification, completion from the verify forward
+    {"plan_threshold": 1e-6, "verify_threshold": 1.0, "block_size": 12},  # parallel completion
+    {"threshold": 1e-9, "block_size": 8},  # wholesale acceptance, fused plans
+    {"threshold": 0.5, "plan_scope": "all"},
+    {"threshold": 0.7, "block_size": 4, "first_token": "ar"},
+    {"threshold": 0.5, "block_size": 8, "mode": "sample", "temperature": 0.8, "top_p": 0.9},
+]
+
+
+@pytest.mark.parametrize("kv_reuse", [True, False])
+@pytest.mark.parametrize("case", range(len(STATIC_CASES)))
+def test_cuda_graphs_decode_as_without(tokenizer, recording, case, kv_reuse):
+    """With cuda_graphs every forward runs through the static steps (the context's K/V regrouped in
+    place, a slot's queries masked from other slots' cached keys; recomputation as one step from an
+    empty cache) and decodes what the dynamic steps decode: the same tokens, forwards and stats, with
+    the static cache holding the reference K/V; no step width beyond those prepared before the first."""
+    model = converted_model(tokenizer, seed=case)
+    cfg = {**STATIC_CASES[case], "kv_reuse": kv_reuse}
+    for prompt in PROMPTS:
+        expected = decode(model, tokenizer, prompt, **cfg)
+        pool = refusion_module.StepsPool._static
+        before = set(pool[model]._steps) if model in pool else set()
+        got = decode(model, tokenizer, prompt, cuda_graphs=True, **cfg)
+        assert got.tokens == expected.tokens and got.forwards == expected.forwards, (case, prompt)
+        assert got.stats == expected.stats
+        ctx = recording[-1]
+        assert isinstance(ctx.steps, refusion_module.StaticSteps)
+        if kv_reuse:
+            assert_cache_matches_reference(model, ctx)
+        decoder = ReFusionDecoder(ReFusionDecoderConfig(**{"max_new_tokens": 24, **cfg}), tokenizer)
+        widest = decoder._widest_step(len(prompt), 24, cfg.get("block_size") or 24)
+        assert set(pool[model]._steps) == before | {step_width(q) for q in range(1, widest + 1)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_replay_and_decode_as_eager_on_cuda(tokenizer):
+    """On CUDA the static steps are captured graphs; ReFusion still decodes as eagerly (fp32)."""
+    model = converted_model(tokenizer).to("cuda")
+    for case in (STATIC_CASES[1], STATIC_CASES[2], STATIC_CASES[3]):
+        for kv_reuse in (True, False):
+            for prompt in PROMPTS:
+                expected = decode(model, tokenizer, prompt, kv_reuse=kv_reuse, **case)
+                got = decode(model, tokenizer, prompt, kv_reuse=kv_reuse, cuda_graphs=True, **case)
+                assert got.tokens == expected.tokens and got.forwards == expected.forwards, (case, prompt)
+    assert all(step.graph is not None for step in refusion_module.StepsPool._static[model]._steps.values())

@@ -76,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--template", default="auto", choices=["auto", "plain", "chat"],
                    help="prompt rendering (auto: the tokenizer's chat template when it has one)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="every row decodes with cuda_graphs=true (static cache, each step width a CUDA graph)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--out", default=str(RESULTS / "refusion"))
@@ -114,7 +116,7 @@ def label(setting: dict, **ablation) -> str:
 def phase(args, models, rows, settings: list[dict], slot_size: int, ablate: dict | None = None) -> list[dict]:
     """AR greedy of the base and (unless ``--no-own-ar``) of the ReFusion checkpoint, then ReFusion at
     every setting of ``settings``, and at ``ablate`` once per entry of :func:`ablations`."""
-    common = {"max_new_tokens": args.max_new_tokens, "batch_size": 1}
+    common = {"max_new_tokens": args.max_new_tokens, "batch_size": 1, "cuda_graphs": args.cuda_graphs}
     refusion = {"name": "refusion", **common, "slot_size": args.slot_size}
     run = lambda name, which, decoder: run_row(name, *models[which], rows, decoder, args.template)  # noqa: E731
     runs = [run("AR greedy (base)", "base", {"name": "ar", **common})]

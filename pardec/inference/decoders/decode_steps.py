@@ -1,12 +1,14 @@
 """Batch-1 decode steps: over a ``DynamicCache`` (eager), or over a ``StaticCache`` with each step
-width captured once as a CUDA graph (``cuda_graphs: true`` of the AR and ISD decoders).
+width captured once as a CUDA graph (``cuda_graphs: true``: the AR, ISD, Jacobi, multi-block, ReFusion
+and MDM decoders but COVER).
 
-Both kinds have one interface: ``reset(context)``, ``forward(ids, block, offsets=None) -> logits
-[q, V]`` (the ``q`` ids after the cached keys, ``block [1, 1, q, q]`` the additive mask over their own
-keys, every query seeing every cached key; ``offsets``: each id's position relative to the first
-uncached one, ``0 .. q-1`` by default, e.g. branches that share positions), ``crop(length)``,
-``keep(base, start, count)`` (the first ``base`` keys, then ``count`` keys moved down from ``start``)
-and ``length``.
+Both kinds have one interface: ``reset(context)``, ``forward(ids, block, offsets=None, context=None)
+-> logits [q, V]`` (the ``q`` ids after the cached keys, ``block [1, 1, q, q]`` the additive mask over
+their own keys; ``context [1, 1, q, length]`` the additive mask over the cached keys, None: every query
+sees every cached key; ``offsets``: each id's position relative to the first uncached one, ``0 .. q-1``
+by default, e.g. branches that share positions, negative for a position before it), ``crop(length)``,
+``keep(base, start, count)`` (the first ``base`` keys, then ``count`` keys moved down from ``start``),
+``select(indices)`` (the keys at ``indices``, in that order) and ``length``.
 
 Why graphs: an eager decode step of a small model on a GPU is bound by kernel launches (SmolLM2-135M on an
 H100: 19-53 forwards per second whatever their width, docs/results/real_gpu.md), so a parallel
@@ -22,10 +24,11 @@ Conventions (one sequence, batch 1):
   ``length`` back: entries past it are stale, hidden by the mask and overwritten by later steps.
 * a step's K/V go to the ``q`` slots after the committed keys whatever the ids' positions (the
   ``offsets`` only move the rotary positions), as a ``DynamicCache`` appends them.
-* the step's additive mask ``[1, 1, q, max_len]``: 0 on the committed keys, the caller's
-  ``block [1, 1, q, q]`` (additive, over the step's own keys) on columns ``length .. length+q-1``,
-  the dtype's minimum elsewhere. So a step computes what the same forward over a ``DynamicCache``
-  of ``length`` entries with mask ``pad(block, (length, 0))`` computes (the decoders' eager path).
+* the step's additive mask ``[1, 1, q, max_len]``: the caller's ``context`` (0 without one) on the
+  committed keys, the caller's ``block [1, 1, q, q]`` (additive, over the step's own keys) on columns
+  ``length .. length+q-1``, the dtype's minimum elsewhere. So a step computes what the same forward
+  over a ``DynamicCache`` of ``length`` entries with mask ``cat([context, block], -1)`` computes (the
+  decoders' eager path).
 * the positions, the mask and the cache lengths are computed on the device from a 0-dim ``length``
   buffer inside the step, so a replay needs no host work but copying ``ids`` and ``length``.
 * on a CUDA device with ``graphs=True`` each width is warmed up twice on a side stream and captured
@@ -71,15 +74,19 @@ def causal_block(q: int, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 def dynamic_step(model, cache: DynamicCache, ids: Sequence[int], block: torch.Tensor,
-                 offsets: Sequence[int] | None = None) -> torch.Tensor:
-    """One eager forward of ``ids`` after ``cache`` (its K/V appended), mask ``pad(block, (cache_len, 0))``,
-    positions ``cache_len + offsets`` (``offsets`` default ``0 .. q-1``); logits ``[q, V]``."""
+                 offsets: Sequence[int] | None = None, context: torch.Tensor | None = None) -> torch.Tensor:
+    """One eager forward of ``ids`` after ``cache`` (its K/V appended), mask ``cat([context, block], -1)``
+    (``context`` default 0: every cached key visible), positions ``cache_len + offsets`` (``offsets``
+    default ``0 .. q-1``); logits ``[q, V]``."""
     device = model_device(model)
     cache_len = cache.get_seq_length()
     ids_t = torch.tensor([list(ids)], device=device)  # [1, q]
     rel = torch.arange(len(ids), device=device) if offsets is None else torch.tensor(list(offsets), device=device)
     positions = (cache_len + rel).unsqueeze(0)  # [1, q]
-    mask = torch.nn.functional.pad(block, (cache_len, 0))  # [1, 1, q, cache_len + q]
+    if context is None:
+        mask = torch.nn.functional.pad(block, (cache_len, 0))  # [1, 1, q, cache_len + q]
+    else:
+        mask = torch.cat([context, block], -1)  # [1, 1, q, cache_len + q]
     out = model(input_ids=ids_t, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
     return out.logits[0]  # [q, V]
 
@@ -99,8 +106,9 @@ class DynamicSteps:
         ids = torch.tensor([list(context)], dtype=torch.long, device=self.device)  # [1, L]
         self.cache = prefill(self.model, ids, torch.ones_like(ids))
 
-    def forward(self, ids: Sequence[int], block: torch.Tensor, offsets: Sequence[int] | None = None) -> torch.Tensor:
-        return dynamic_step(self.model, self.cache, ids, block, offsets)
+    def forward(self, ids: Sequence[int], block: torch.Tensor, offsets: Sequence[int] | None = None,
+                context: torch.Tensor | None = None) -> torch.Tensor:
+        return dynamic_step(self.model, self.cache, ids, block, offsets, context)
 
     def crop(self, length: int) -> None:
         crop_cache(self.cache, length)
@@ -111,6 +119,10 @@ class DynamicSteps:
             self.crop(base + count)
             return
         select_cache_entries(self.cache, torch.cat([torch.arange(base), torch.arange(start, start + count)]))
+
+    def select(self, indices: Sequence[int]) -> None:
+        """Keep the keys at ``indices``, in that order."""
+        select_cache_entries(self.cache, torch.tensor(list(indices), dtype=torch.long))
 
 
 class StaticSteps:
@@ -154,6 +166,20 @@ class StaticSteps:
                     kv[:, :, base:base + count] = kv[:, :, start:start + count].clone()
         self.length = base + count
 
+    def select(self, indices: Sequence[int]) -> None:
+        """Keep the keys at ``indices``, in that order (gathered in place from the first index that
+        moves, so the captured graphs keep their addresses); later ones become stale."""
+        indices = list(indices)
+        if any(not 0 <= i < self.length for i in indices):
+            raise ValueError(f"select keys {indices}: the cache holds {self.length}")
+        first = next((k for k, i in enumerate(indices) if i != k), len(indices))
+        if first < len(indices):
+            moved = torch.tensor(indices[first:], dtype=torch.long, device=self.device)
+            for layer in self.cache.layers:
+                for kv in (layer.keys, layer.values):  # [1, heads, max_len, head_dim]
+                    kv[:, :, first:len(indices)] = kv.index_select(2, moved)
+        self.length = len(indices)
+
     def prepare(self, widest: int) -> None:
         """Allocate every step width up to ``step_width(widest)`` (on CUDA with graphs: capture it), so
         that no width is captured during a decode. Empties the cache (the captures write keys from slot
@@ -167,12 +193,13 @@ class StaticSteps:
                     step.capture()
 
     def forward(self, ids: Sequence[int], block: torch.Tensor, offsets: Sequence[int] | None = None,
-                capture: bool = True) -> torch.Tensor:
-        """Logits ``[q, V]`` of ``ids`` (q tokens) after the committed keys, masked by ``block
-        [1, 1, q, q]``, at positions ``length + offsets`` (default ``0 .. q-1``); their K/V are
-        appended (``length += q``). The step runs at ``step_width(q)`` (padded; exactly ``q`` where the
-        padding would not fit the cache). ``capture=False`` runs eagerly at ``q`` without keeping the
-        width's buffers (a prefill's one-off width)."""
+                context: torch.Tensor | None = None, capture: bool = True) -> torch.Tensor:
+        """Logits ``[q, V]`` of ``ids`` (q tokens) after the committed keys, masked by ``context
+        [1, 1, q, length]`` (None: all visible) over those and ``block [1, 1, q, q]`` over their own,
+        at positions ``length + offsets`` (default ``0 .. q-1``); their K/V are appended (``length +=
+        q``). The step runs at ``step_width(q)`` (padded; exactly ``q`` where the padding would not fit
+        the cache). ``capture=False`` runs eagerly at ``q`` without keeping the width's buffers (a
+        prefill's one-off width)."""
         q = len(ids)
         if self.length + q > self.max_len:
             raise ValueError(f"a step of {q} tokens after {self.length} overflows the static cache of {self.max_len}")
@@ -195,6 +222,13 @@ class StaticSteps:
             step.block[0, 0, padding, padding] = 0.0  # a padding query sees itself (and the committed keys)
         else:
             step.block.copy_(block)
+        if context is not None:  # padding queries see every committed key
+            step.context.zero_()
+            step.context[:, :, :q, : self.length] = context
+            step.has_context = True
+        elif step.has_context:
+            step.context.zero_()
+            step.has_context = False
         self._length.fill_(self.length)
         if capture and self.graphs:
             if step.graph is None:
@@ -212,7 +246,8 @@ class StaticSteps:
         rel = self._cols - self._length  # [max_len]: key index relative to the step's first token
         own = step.block[0, 0][:, rel.clamp(0, q - 1)]  # [q, max_len]
         minimum = torch.finfo(self.dtype).min
-        mask = torch.where(rel < 0, 0.0, torch.where(rel < q, own, minimum)).to(self.dtype)  # [q, max_len]
+        step_keys = torch.where(rel < q, own, minimum)  # [q, max_len]
+        mask = torch.where(rel < 0, step.context[0, 0], step_keys).to(self.dtype)  # [q, max_len]
         slots = self._length + torch.arange(q, device=self.device)  # [q]: where the step's K/V go
         for length in self._layer_lengths:
             length.copy_(self._length)
@@ -230,6 +265,8 @@ class _Step:
         self.ids = torch.zeros((1, q), dtype=torch.long, device=steps.device)
         self.offsets = torch.arange(q, device=steps.device)  # positions relative to the committed length
         self.block = torch.zeros((1, 1, q, q), dtype=steps.dtype, device=steps.device)
+        self.context = torch.zeros((1, 1, q, steps.max_len), dtype=steps.dtype, device=steps.device)  # committed keys
+        self.has_context = False  # whether ``context`` holds a caller's mask (else zeros)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 

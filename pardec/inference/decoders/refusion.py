@@ -58,6 +58,8 @@ tokens, the entries of the previous step are regrouped so that each completed sl
 contiguous, in generation order (slots of one step in position order), every entry at its original
 RoPE position. ``kv_reuse=false`` (the paper's recomputation ablation, and the tests' reference)
 recomputes the whole context with plain causal attention in generation order in every forward.
+The K/V live in :mod:`pardec.inference.decoders.decode_steps` (``cuda_graphs``: its static cache, each
+width a CUDA graph; docs/methods/refusion.md#kv-reuse).
 
 EOS: when a decoded slot contains EOS at offset e, the target length becomes e + 1: masked slots
 after it are dropped, and so are decoded tokens after it (and their K/V), but every undecoded slot
@@ -89,11 +91,11 @@ import torch
 
 from pardec.common.config_fields import Choice, ranged
 from pardec.common.errors import ConfigError
-from pardec.common.kv_cache import crop_cache, select_cache_entries
 from pardec.common.metadata import MASKED_AR, CheckpointMetadata
 from pardec.inference.decoders.base import (
-    DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, forbid_mask, model_device, prefill,
+    DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, forbid_mask, model_device,
 )
+from pardec.inference.decoders.decode_steps import SMALL, DynamicSteps, StaticSteps, StepsPool
 from pardec.inference.decoders.sampling import SamplingMode, SamplingParams, probs_from_logits
 from pardec.masks.core import additive_mask, require_dense_attention
 from pardec.masks.refusion import SHARED, refusion_decode_mask
@@ -151,6 +153,9 @@ class ReFusionDecoderConfig(DecoderConfig):
     # ar, greedy drafts and thresholds >= 0.5 every output token is the AR head's argmax: the output
     # is the checkpoint's own AR greedy decode (tested).
     first_token: FirstToken = FirstToken.mask
+    # Each step width as a CUDA graph over a static cache (pardec.inference.decoders.decode_steps; on a
+    # GPU, so that TPS follows TPF; elsewhere the same static steps run eagerly). Batch 1.
+    cuda_graphs: bool = False
 
 
 def resolve_slot_size(model, slot_size: int | None) -> int:
@@ -171,18 +176,19 @@ class _Context:
     """The committed context of one decode and the entries a step appends after it.
 
     Per entry: token, position and group (``SHARED`` or the slot being completed). With
-    ``kv_reuse`` the K/V live in a ``DynamicCache`` (prompt[:-1] prefilled); without it every
-    forward recomputes all entries, with the same mask predicate over the same groups.
+    ``kv_reuse`` the K/V live in decode steps (:mod:`pardec.inference.decoders.decode_steps`,
+    prompt[:-1] prefilled: a ``DynamicCache``, or with ``cuda_graphs`` the static cache); without it
+    every forward recomputes all entries, with the same mask predicate over the same groups (eagerly
+    keeping the logits of the last rows only, or with ``cuda_graphs`` as one static step from an
+    empty cache).
     """
 
-    def __init__(self, model, prompt_prefix: list[int], kv_reuse: bool):
-        self.model, self.kv_reuse = model, kv_reuse
+    def __init__(self, model, prompt_prefix: list[int], kv_reuse: bool, steps: DynamicSteps | StaticSteps | None):
+        self.model, self.kv_reuse, self.steps = model, kv_reuse, steps
         self.device = model_device(model)
         self.ids, self.pos, self.groups = list(prompt_prefix), list(range(len(prompt_prefix))), [SHARED] * len(prompt_prefix)
-        self.cache = None
         if kv_reuse:
-            context = torch.tensor([prompt_prefix], dtype=torch.long, device=self.device)  # [1, P-1]
-            self.cache = prefill(model, context, torch.ones_like(context))
+            steps.reset(prompt_prefix)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -200,12 +206,11 @@ class _Context:
         dtype = self.model.dtype
         if self.kv_reuse:
             mask = additive_mask(mask_mod, 1, q, n + q, dtype, self.device, kv_cache_len=n)  # [1, 1, q, n+q]
-            out = self.model(
-                input_ids=torch.tensor([ids], device=self.device), position_ids=torch.tensor([pos], device=self.device),
-                attention_mask=mask, past_key_values=self.cache, use_cache=True,
-            )
-            return out.logits[0]  # [q, V]
+            return self.steps.forward(ids, mask[..., n:], [p - n for p in pos], mask[..., :n])  # [q, V]
         mask = additive_mask(mask_mod, 1, n + q, n + q, dtype, self.device)  # [1, 1, n+q, n+q]
+        if self.steps is not None:  # cuda_graphs: the whole context as one static step
+            self.steps.reset([])
+            return self.steps.forward(self.ids, mask, self.pos)[n - context_rows:]  # [context_rows + q, V]
         out = self.model(
             input_ids=torch.tensor([self.ids], device=self.device),
             position_ids=torch.tensor([self.pos], device=self.device),
@@ -216,13 +221,13 @@ class _Context:
     def crop(self, length: int) -> None:
         """Keep the first ``length`` entries."""
         if self.kv_reuse:
-            crop_cache(self.cache, length)
+            self.steps.crop(length)
         del self.ids[length:], self.pos[length:], self.groups[length:]
 
     def select(self, keep: list[int]) -> None:
         """Keep the entries at ``keep``, in that order."""
         if self.kv_reuse:
-            select_cache_entries(self.cache, torch.tensor(keep, dtype=torch.long, device=self.device))
+            self.steps.select(keep)
         self.ids = [self.ids[i] for i in keep]
         self.pos = [self.pos[i] for i in keep]
         self.groups = [self.groups[i] for i in keep]
@@ -289,6 +294,7 @@ class ReFusionDecoder(PerSampleDecoder):
         self.verify_threshold = cfg.threshold if cfg.verify_threshold is None else cfg.verify_threshold
         self.greedy = cfg.mode == "greedy"
         self.sampling = SamplingParams(self.greedy, cfg.temperature, cfg.top_k, cfg.top_p)
+        self.steps = StepsPool(cfg.cuda_graphs)
 
     def summarize(self, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """Per-run aggregates: mean slots accepted per plan-and-infill step, and the forward mix."""
@@ -346,7 +352,11 @@ class ReFusionDecoder(PerSampleDecoder):
         ar_next = None  # first_token=ar: (offset, probs [V]) of the AR head's prediction after the committed text
 
         # 1. Prefill prompt[:-1]; the last prompt token is the first pending token.
-        ctx = _Context(model, prompt[:-1], self.cfg.kv_reuse)
+        widest = self._widest_step(n_prompt, length, block)
+        steps = None
+        if self.cfg.kv_reuse or self.cfg.cuda_graphs:
+            steps = self.steps.get(model, n_prompt + length + widest + SMALL, widest)
+        ctx = _Context(model, prompt[:-1], self.cfg.kv_reuse, steps)
         pending = ctx.absorb([(prompt[-1], n_prompt - 1, SHARED)])  # (token, position, group) not yet in the cache
         step_start = len(ctx)
 
@@ -479,6 +489,14 @@ class ReFusionDecoder(PerSampleDecoder):
         hit_eos = bool(out) and out[-1] in eos_token_ids
         return DecodeResult(tokens=out, forwards=sum(stats[f"{p}_forwards"] for p in ("plan", "verify", "complete")),
                             committed=len(out), wall_time_s=timer.elapsed, hit_eos=hit_eos, stats=stats)
+
+    def _widest_step(self, n_prompt: int, length: int, block: int) -> int:
+        """The most entries one forward feeds: a plan's (pending tokens, at most one per slot of a block,
+        and the planned masks) or a verify's (the drafts, at most a block, and the next plan's masks);
+        recomputation feeds the whole context too (the prompt and at most ``length`` generated entries)."""
+        planned = length if self.cfg.plan_scope == "all" else block
+        widest = block + planned
+        return widest if self.cfg.kv_reuse else n_prompt + length + widest
 
     def _planned_after(self, remaining: list[_Slot], selected: list[_Slot], block: int) -> list[_Slot]:
         """The slots the next step plans if every selected slot is accepted whole without EOS."""
