@@ -16,9 +16,9 @@
 #   runs' tables are named gpu_*_block32_<gpu> and gpu_*_bidir_<gpu>.
 # - JACOBI=1 (default 0): the Jacobi Forcing conversion (experiment=smollm2_jacobi_forcing_gpu: trajectories
 #   collected 32 prompts at a time, one round at n=8), then the Jacobi Forcing table
-#   (pardec.benchmarks.jacobi_forcing: n among 4, 8, 16 chosen on JACOBI_VAL val problems, default 10; AR
-#   greedy, Jacobi and multi-block rows) on PROBLEMS test problems, every row's decode step captured as a
-#   CUDA graph (--cuda-graphs), then eager.
+#   (pardec.benchmarks.jacobi_forcing: n among 4, 8, 16 chosen on JACOBI_VAL val problems, default 10, for
+#   Jacobi and for multi-block on its own; AR greedy, Jacobi and multi-block rows) on PROBLEMS test problems,
+#   in each of DECODE_MODES (graphs: every row's decode step captured as a CUDA graph, --cuda-graphs).
 # - REFUSION=1 (default 0): the ReFusion conversion (experiment=smollm2_refusion_gpu), then the ReFusion
 #   table (pardec.benchmarks.refusion, the CPU run's settings: b=16, tau among 0.9/0.7/0.5 chosen on
 #   REFUSION_VAL val problems, default 10, then the chosen tau and its KV-recomputation ablation) on
@@ -145,7 +145,8 @@ if [ "$with_jacobi" = 1 ]; then
   for mode in $decode_modes; do
     stamp "benchmark ($mode): AR greedy vs Jacobi / multi-block (Jacobi Forcing, n on $jacobi_val val problems), $problems test problems"
     $py -m pardec.benchmarks.jacobi_forcing --base $sft/hf --round1 $jacobi/stages/00-round1/hf --wide-block-size 0 \
-      --num-samples "$problems" --num-val "$jacobi_val" --val-block-sizes 4 8 16 --no-training-table --no-bound \
+      --num-samples "$problems" --num-val "$jacobi_val" --val-block-sizes 4 8 16 --choose-multiblock-n \
+      --no-training-table --no-bound \
       --device auto --dtype float32 --threads 8 $([ $mode = graphs ] && echo --cuda-graphs) \
       --out $out/gpu_jacobi_forcing_${mode}_$gpu$tag
   done

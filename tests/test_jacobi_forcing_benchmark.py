@@ -9,6 +9,7 @@ import json
 import pytest
 
 from pardec.benchmarks.jacobi_forcing import choose_block_size, main
+from pardec.benchmarks.real_summary import jacobi_short
 from pardec.common.metadata import CheckpointMetadata
 from tests.conftest import chat_bpe_tokenizer, save_chat_checkpoint, tiny_model
 
@@ -74,11 +75,35 @@ def test_n_chosen_on_val_then_the_test_rows_use_it(tmp_path):
         "AR greedy (base)", "AR greedy (round 1)", "Jacobi n=2 (round 1, trained at n=4)", "Jacobi n=4 (round 1)"]
     n = payload["chosen_block_size"]
     assert (n, payload["choice_rule"]) == choose_block_size(payload["validation"])
+    assert payload["chosen_multiblock_block_size"] == n and payload["multiblock_choice_rule"] is None
     labels = [r["decoder"] for r in payload["decoding"]]
     assert labels[1] == f"Jacobi n={n} (base, untrained)"
     assert payload["chosen_labels"]["jacobi"] in labels and payload["chosen_labels"]["multiblock"] in labels
     assert all(r["decoder_config"]["block_size"] == n for r in payload["decoding"] if r["decoder_config"]["name"] != "ar")
     assert f"n chosen here: {n}" in out.with_suffix(".md").read_text()
+
+
+def test_multiblock_n_chosen_on_its_own(tmp_path):
+    """--choose-multiblock-n: val also runs multi-block at every n; its test row decodes at the n chosen among
+    those rows by the same rule, which the JSON and the summary's label record."""
+    base = save_base_and_round1(tmp_path)
+    out = tmp_path / "result"
+    main(["--base", str(base), "--round1", str(tmp_path / "round1"), "--num-samples", "2", "--max-new-tokens", "8",
+          "--num-val", "2", "--val-block-sizes", "2", "4", "--wide-block-size", "0", "--no-training-table",
+          "--no-bound", "--threads", "1", "--choose-multiblock-n", "--out", str(out)])
+    payload = json.loads(out.with_suffix(".json").read_text())
+    val = payload["validation"]
+    assert [r["decoder_config"]["name"] for r in val] == ["ar", "ar", "jacobi", "jacobi", "multiblock", "multiblock"]
+    assert [r["decoder_config"]["block_size"] for r in val[4:]] == [2, 4]
+    n, n_multiblock = payload["chosen_block_size"], payload["chosen_multiblock_block_size"]
+    assert (n_multiblock, payload["multiblock_choice_rule"]) == choose_block_size(val, "multiblock")
+    assert "multi-block rows" in payload["multiblock_choice_rule"]
+    decoded = {r["decoder_config"]["name"]: r for r in payload["decoding"] if r["model"] == "round1"}
+    assert decoded["jacobi"]["decoder_config"]["block_size"] == n
+    assert decoded["multiblock"]["decoder_config"]["block_size"] == n_multiblock
+    assert payload["chosen_labels"]["multiblock"] == decoded["multiblock"]["decoder"]
+    assert jacobi_short("multiblock", "multi-block")(payload) == f"multi-block n={n_multiblock}"
+    assert f"multi-block's n chosen here: {n_multiblock}" in out.with_suffix(".md").read_text()
 
 
 def test_num_val_reports_on_test(tmp_path):

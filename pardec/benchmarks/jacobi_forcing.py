@@ -56,7 +56,10 @@ val problems; n = the highest TPS among the Jacobi rows identical to the round's
 problem (on a CPU a wider forward costs more, so the highest TPF need not be the fastest). The decoding
 table then runs the last round's Jacobi and multi-block rows, and the base's Jacobi row (unless
 ``--base-block-size``), at that n; the JSON adds ``validation``, ``chosen_block_size``, ``choice_rule`` and
-``chosen_labels`` (the chosen Jacobi and multi-block rows' labels).
+``chosen_labels`` (the chosen Jacobi and multi-block rows' labels). ``--choose-multiblock-n``: the val
+phase also runs the last round's multi-block at every n, and multi-block's n is chosen on its own by the
+same rule among those rows (``chosen_multiblock_block_size``, ``multiblock_choice_rule``; without it
+multi-block decodes at Jacobi's n, and ``chosen_multiblock_block_size`` is that n).
 
 Writes ``benchmarks/results/jacobi_forcing.{md,json}`` (``--out``).
 """
@@ -120,6 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-val", type=int, default=0,
                    help="choose the last round's block size n on this many val problems first (highest TPS, lossless)")
     p.add_argument("--val-block-sizes", type=int, nargs="+", default=[4, 8, 16], help="the n tried on val")
+    p.add_argument("--choose-multiblock-n", action="store_true",
+                   help="val also runs multi-block at every n and chooses its n on its own (default: Jacobi's n)")
     p.add_argument("--template", default="auto", choices=["auto", "plain", "chat"],
                    help="prompt format (auto: the tokenizer's chat template when it has one)")
     p.add_argument("--no-bound", action="store_true", help="skip the TPF · t(1)/t(n) bound")
@@ -174,9 +179,11 @@ def multiblock_row(args, n: int, last: str) -> tuple[str, str, dict]:
                          "max_new_tokens": args.max_new_tokens, "batch_size": 1, "cuda_graphs": args.cuda_graphs}
 
 
-def decoding_rows(args, trained: dict[str, int], chosen: int | None) -> list[tuple[str, str, dict]]:
+def decoding_rows(args, trained: dict[str, int], chosen: int | None,
+                  chosen_multiblock: int | None = None) -> list[tuple[str, str, dict]]:
     """(label, model key, decoder config) of table 1, in order: each model's AR greedy before its
-    parallel rows. The last round decodes at ``chosen`` (its trained n when None)."""
+    parallel rows. The last round decodes at ``chosen`` (its trained n when None), its multi-block row
+    at ``chosen_multiblock`` (``chosen`` when None)."""
     rounds = list(trained)
     last = rounds[-1]
     n_last = chosen or trained[last]
@@ -187,7 +194,7 @@ def decoding_rows(args, trained: dict[str, int], chosen: int | None) -> list[tup
     for r in rounds:
         n = n_last if r == last else trained[r]
         rows += [(f"AR greedy ({ROUND_NAME[r]})", r, ar), (jacobi_label(n, r, trained[r]), r, jacobi_config(args, n))]
-    rows.append(multiblock_row(args, n_last, last))
+    rows.append(multiblock_row(args, chosen_multiblock or n_last, last))
     if wide_n:
         rows += [(jacobi_label(wide_n, last, trained[last]), last, jacobi_config(args, wide_n)),
                  multiblock_row(args, wide_n, last)]
@@ -196,18 +203,21 @@ def decoding_rows(args, trained: dict[str, int], chosen: int | None) -> list[tup
 
 def validation_rows_for_n(args, trained: dict[str, int]) -> list[tuple[str, str, dict]]:
     """The val phase: AR greedy of the base and of the last round, then the last round's Jacobi at
-    every n of ``--val-block-sizes``."""
+    every n of ``--val-block-sizes`` (and, ``--choose-multiblock-n``, its multi-block at every n)."""
     last = list(trained)[-1]
     ar = ar_config(args)
+    multiblock = [multiblock_row(args, n, last) for n in args.val_block_sizes] if args.choose_multiblock_n else []
     return [("AR greedy (base)", "base", ar), (f"AR greedy ({ROUND_NAME[last]})", last, ar),
-            *[(jacobi_label(n, last, trained[last]), last, jacobi_config(args, n)) for n in args.val_block_sizes]]
+            *[(jacobi_label(n, last, trained[last]), last, jacobi_config(args, n)) for n in args.val_block_sizes],
+            *multiblock]
 
 
-def choose_block_size(val_table: list[dict]) -> tuple[int, str]:
-    """(n, the rule that chose it): the fastest Jacobi row of a trained round identical to its AR greedy
-    on val (:func:`pardec.benchmarks.common.fastest_lossless`)."""
+def choose_block_size(val_table: list[dict], decoder: str = "jacobi") -> tuple[int, str]:
+    """(n, the rule that chose it): the fastest ``decoder`` row (jacobi or multiblock) of a trained round
+    identical to its AR greedy on val (:func:`pardec.benchmarks.common.fastest_lossless`)."""
     best, rule = fastest_lossless(
-        [r for r in val_table if r["decoder_config"]["name"] == "jacobi" and r["model"] != "base"], "Jacobi rows")
+        [r for r in val_table if r["decoder_config"]["name"] == decoder and r["model"] != "base"],
+        {"jacobi": "Jacobi rows", "multiblock": "multi-block rows"}[decoder])
     return best["decoder_config"]["block_size"], rule
 
 
@@ -399,19 +409,24 @@ def main(argv: list[str] | None = None) -> None:
     widths = {d["block_size"] for _, _, d in [*val_rows, *decoding_rows(args, trained, None)] if d["name"] == "jacobi"}
     latency = {} if args.no_bound else forward_latencies(models["base"][0], [1, *sorted(widths)], args.bound_cache,
                                                          args.bound_repeats)
-    validation, chosen, rule = None, None, None
+    validation, chosen, rule, chosen_multiblock, multiblock_rule = None, None, None, None, None
     if args.num_val:
         validation = decoding_table(args, models, validation_rows(args.num_val), val_rows, latency)
         chosen, rule = choose_block_size(validation)
-    rows = decoding_rows(args, trained, chosen)
+        if args.choose_multiblock_n:
+            chosen_multiblock, multiblock_rule = choose_block_size(validation, "multiblock")
+    rows = decoding_rows(args, trained, chosen, chosen_multiblock)
     table = decoding_table(args, models, eval_rows, rows, latency)
     efficiency = None if args.no_training_table else efficiency_table(args, *models["base"])
 
     bound = not args.no_bound
     lines = []
     if validation is not None:
+        multiblock_choice = (f"; multi-block's n chosen here: {chosen_multiblock}, {multiblock_rule}"
+                             if chosen_multiblock else "")
         lines += [f"Validation split ({args.num_val} problems of the generator's val split; n chosen here: {chosen}, "
-                  f"{rule}):", "", *markdown(validation, bound), "", f"{args.split.capitalize()} split:", ""]
+                  f"{rule}{multiblock_choice}):", "", *markdown(validation, bound), "",
+                  f"{args.split.capitalize()} split:", ""]
     lines += markdown(table, bound)
     lines.append(f"\n{len(eval_rows)} {args.split} problems, batch 1, {args.dtype} on {args.device}, "
                  f"<= {args.max_new_tokens} new tokens, template {args.template}.")
@@ -435,8 +450,10 @@ def main(argv: list[str] | None = None) -> None:
     payload = {"command": command, "decoding": table, "training_efficiency": efficiency}
     if validation is not None:
         last = names[-1]
-        payload.update(validation=validation, chosen_block_size=chosen, choice_rule=rule, chosen_labels={
-            "jacobi": jacobi_label(chosen, last, trained[last]), "multiblock": multiblock_row(args, chosen, last)[0]})
+        payload.update(validation=validation, chosen_block_size=chosen, choice_rule=rule,
+                       chosen_multiblock_block_size=chosen_multiblock or chosen, multiblock_choice_rule=multiblock_rule,
+                       chosen_labels={"jacobi": jacobi_label(chosen, last, trained[last]),
+                                      "multiblock": multiblock_row(args, chosen_multiblock or chosen, last)[0]})
     write_results(args.out, command, md, payload)
 
 

@@ -85,6 +85,13 @@ def jacobi_chosen(kind: str) -> Callable[[dict], str]:
     return lambda data: data["chosen_labels"][kind]
 
 
+def jacobi_short(kind: str, short: str) -> Callable[[dict], str]:
+    """``Jacobi n=8``: the row's short label with the n it decodes at (multi-block's own when it was chosen
+    on its own, ``--choose-multiblock-n``; tables from before that option record only Jacobi's)."""
+    key = {"jacobi": "chosen_block_size", "multiblock": "chosen_multiblock_block_size"}[kind]
+    return lambda data: f"{short} n={data.get(key, data['chosen_block_size'])}"
+
+
 def isd_chosen(data) -> str:
     """The greedy ISD row at the N the benchmark chose on val (``idlm_isd --num-val``)."""
     return f"ISD N={data['chosen_stride']} greedy"
@@ -98,8 +105,8 @@ ROWS: tuple[RealRow, ...] = (
     RealRow("I-DLM", "I-DLM (stride 4) on the CPU SFT base", CPU, "cpu_idlm", ISD, isd_chosen,
             lambda data: f"ISD N={data['chosen_stride']}", "smollm2_idlm", "own", IDLM_CPU),
     *(RealRow("Jacobi Forcing", "Jacobi Forcing round 1 on the CPU SFT base", CPU, "cpu_jacobi_forcing",
-              "jacobi_forcing", jacobi_chosen(kind), lambda data, short=short: f"{short} n={data['chosen_block_size']}",
-              "smollm2_jacobi_forcing", "own", JACOBI_CPU)
+              "jacobi_forcing", jacobi_chosen(kind), jacobi_short(kind, short), "smollm2_jacobi_forcing", "own",
+              JACOBI_CPU)
       for kind, short in (("jacobi", "Jacobi"), ("multiblock", "multi-block"))),
     RealRow("ReFusion", "ReFusion on the CPU SFT base", CPU, "cpu_refusion", "refusion", refusion_chosen,
             "ReFusion", "smollm2_refusion", None, REFUSION_CPU),
@@ -132,8 +139,7 @@ ROWS: tuple[RealRow, ...] = (
       for key, name in (("bidir", "bidirectional"), ("block32", "block-causal")) for label, short in COVER_ROWS),
     # A fifth H200 session: Jacobi Forcing on that session's SFT base, every row's decode step a CUDA graph.
     *(RealRow("Jacobi Forcing", "Jacobi Forcing round 1 on the fifth H200 run's SFT base", H200_GRAPHS,
-              "gpu_jacobi_forcing_graphs_h200", "jacobi_forcing", jacobi_chosen(kind),
-              lambda data, short=short: f"{short} n={data['chosen_block_size']}",
+              "gpu_jacobi_forcing_graphs_h200", "jacobi_forcing", jacobi_chosen(kind), jacobi_short(kind, short),
               "smollm2_jacobi_forcing_gpu@h200", "own", GPU_RUN_JACOBI)
       for kind, short in (("jacobi", "Jacobi"), ("multiblock", "multi-block"))),
 )

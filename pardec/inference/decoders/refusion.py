@@ -183,7 +183,8 @@ class _Context:
     empty cache).
     """
 
-    def __init__(self, model, prompt_prefix: list[int], kv_reuse: bool, steps: DynamicSteps | StaticSteps | None):
+    def __init__(self, model, prompt_prefix: list[int], kv_reuse: bool,
+                 steps: DynamicSteps | StaticSteps | None):
         self.model, self.kv_reuse, self.steps = model, kv_reuse, steps
         self.device = model_device(model)
         self.ids, self.pos, self.groups = list(prompt_prefix), list(range(len(prompt_prefix))), [SHARED] * len(prompt_prefix)
@@ -353,9 +354,10 @@ class ReFusionDecoder(PerSampleDecoder):
 
         # 1. Prefill prompt[:-1]; the last prompt token is the first pending token.
         widest = self._widest_step(n_prompt, length, block)
+        cached = n_prompt + length if self.cfg.kv_reuse else 0  # the most keys a step finds cached
         steps = None
         if self.cfg.kv_reuse or self.cfg.cuda_graphs:
-            steps = self.steps.get(model, n_prompt + length + widest + SMALL, widest)
+            steps = self.steps.get(model, cached + widest + SMALL, widest)
         ctx = _Context(model, prompt[:-1], self.cfg.kv_reuse, steps)
         pending = ctx.absorb([(prompt[-1], n_prompt - 1, SHARED)])  # (token, position, group) not yet in the cache
         step_start = len(ctx)
