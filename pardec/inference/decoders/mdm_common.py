@@ -48,8 +48,9 @@ widest forward (:meth:`MDMDecoder.widest_step`) is captured before the first ste
 cannot be captured (``no_cuda_graphs_reason``).
 
 **``<|mask|>`` is never proposed.** Every DLM forward of an MDM decoder goes through
-:meth:`BlockRun.forward`, which sets the mask id's logit to -inf (:func:`forbid_mask`) before any
-decoder reads it, so no draft, commit, Replace or confidence ever involves ``<|mask|>``, however the
+:meth:`BlockRun.forward` (:meth:`BlockRun.static_forward` with ``cuda_graphs``), which sets the
+mask id's logit to -inf (:func:`forbid_mask`) before any decoder reads it, so no draft, commit,
+Replace or confidence ever involves ``<|mask|>``, however the
 model was loaded (``pardec.inference.checkpoint.load_checkpoint`` installs the same exclusion as a
 hook, so a loaded checkpoint's figures do not change). ``<|mask|>`` is an input symbol: a position
 given it would stay masked and be drafted again at every step, without end.

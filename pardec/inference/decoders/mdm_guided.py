@@ -22,9 +22,9 @@ With n = the longest accepted prefix:
   greedy output token for token (lossless w.r.t. the guide).
 
 The guide cache is cropped to the new committed prefix minus its last token; its forwards run
-through :mod:`pardec.inference.decoders.decode_steps` (static, each width a CUDA graph, with
-``cuda_graphs``, as the DLM's). ``freecache=true``
-runs the DLM forwards with FreeCache (:mod:`pardec.inference.decoders.mdm_common`). ``decoder.guide`` names
+through :mod:`pardec.inference.decoders.decode_steps` (with ``cuda_graphs`` static, each width a
+CUDA graph, as the DLM's). ``freecache=true`` runs the DLM forwards with FreeCache
+(:mod:`pardec.inference.decoders.mdm_common`). ``decoder.guide`` names
 the guide's export (validation loads it once: ``self.auxiliary["guide"]``); by default the
 benchmark passes the AR base the MDM was converted from. Its tokenizer must be the MDM's minus
 ``<|mask|>`` (checked once, :class:`ConfigError` otherwise), and it must be causal.
