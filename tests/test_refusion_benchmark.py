@@ -131,9 +131,12 @@ def test_cuda_graphs_rows_measure_what_eager_rows_measure(tmp_path):
     eager = run_real_model_flags(tmp_path / "eager")
     graphs = run_real_model_flags(tmp_path / "graphs", "--cuda-graphs")
     assert graphs["chosen_label"] == eager["chosen_label"]
+
+    def untimed(row: dict) -> dict:
+        return {k: v for k, v in row.items() if k not in ("tps", "tps_ratio", "config")}
+
     for phase in ("validation", "test"):
         assert len(graphs[phase]) == len(eager[phase]) > 1
         for got, expected in zip(graphs[phase], eager[phase]):
             assert got["config"] == {**expected["config"], "cuda_graphs": True}
-            untimed = lambda row: {k: v for k, v in row.items() if k not in ("tps", "tps_ratio", "config")}  # noqa: E731
             assert untimed(got) == untimed(expected)
