@@ -32,7 +32,7 @@ DECODERS = {
     "wino": {"name": "wino"},
     "saber": {"name": "saber"},
     "mdm_guided": {"name": "mdm_guided", "commit": "assisted"},
-    # the static steps (cuda_graphs; run eagerly on CPU): BlockRun.static_forward and the guide's steps
+    # the static steps (cuda_graphs; run eagerly on CPU): the DLM's and the guide's forwards over the static cache
     "mdm_lowconf cuda_graphs": {"name": "mdm_lowconf", "cuda_graphs": True},
     "mdm_threshold freecache cuda_graphs": {"name": "mdm_threshold", "threshold": 0.7, "freecache": True,
                                             "cuda_graphs": True},

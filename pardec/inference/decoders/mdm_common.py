@@ -38,17 +38,19 @@ Cache modes:
 
   The prompt (but its last token) is frozen from the first full forward.
 
-**CUDA graphs** (``cuda_graphs: true``, batch 1): every DLM forward runs through the model's static
-steps (:mod:`pardec.inference.decoders.decode_steps`): the cache keeps the first ``c`` keys of the
-last forward (``c = 0``: emptied) and the window ``x[c:n]`` is one step with the window's own part of
-the mask, ``full_mask[c:n, c:n]``. That is the eager forward: with either attention every position
-of the window sees every position left of it, the static step's convention for the cached keys (the
-eager and static decodes are compared token for token in the tests). Every width up to the decoder's
-widest forward (:meth:`MDMDecoder.widest_step`) is captured before the first step. COVER's steps
-cannot be captured (``no_cuda_graphs_reason``).
+**Decode steps and CUDA graphs.** Every DLM forward (COVER's aside) runs through
+:mod:`pardec.inference.decoders.decode_steps` (:meth:`BlockRun.window_forward`): the cache keeps the
+first ``c`` keys of the last forward (``c = 0``: emptied) and the window ``x[c:n]`` is one step with
+the window's own part of the mask, ``full_mask[c:n, c:n]``; with either attention every position of
+the window sees every position left of it, which is the steps' convention for the cached keys. The
+steps are a ``DynamicCache`` by default; with ``cuda_graphs: true`` (batch 1) the model's static
+cache, every width up to the decoder's widest forward (:meth:`MDMDecoder.widest_step`) captured as
+a CUDA graph before the first step (the two are compared token for token in the tests). COVER's
+override forwards cannot be captured (``no_cuda_graphs_reason``); they go through
+:meth:`BlockRun.forward`.
 
 **``<|mask|>`` is never proposed.** Every DLM forward of an MDM decoder goes through
-:meth:`BlockRun.forward` (:meth:`BlockRun.static_forward` with ``cuda_graphs``), which sets the
+:meth:`BlockRun.window_forward` or (COVER's) :meth:`BlockRun.forward`, which set the
 mask id's logit to -inf (:func:`forbid_mask`) before any decoder reads it, so no draft, commit,
 Replace or confidence ever involves ``<|mask|>``, however the
 model was loaded (``pardec.inference.checkpoint.load_checkpoint`` installs the same exclusion as a
@@ -83,17 +85,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import DynamicCache
-
 from pardec.common.config_fields import Choice, ranged
 from pardec.common.constants import METADATA_KEY
 from pardec.common.errors import CheckpointError, ConfigError
-from pardec.common.kv_cache import crop_cache
 from pardec.common.metadata import MDM_BIDIRECTIONAL, MDM_BLOCK, CheckpointMetadata, model_where
 from pardec.inference.decoders.base import (
     DecodeResult, DecoderConfig, LoopTimer, PerSampleDecoder, forbid_mask, model_device,
 )
-from pardec.inference.decoders.decode_steps import SMALL, StaticSteps, StepsPool
+from pardec.inference.decoders.decode_steps import SMALL, DynamicSteps, StaticSteps, StepsPool
 from pardec.masks.core import additive_mask, require_dense_attention
 from pardec.masks.mdm import ATTENTIONS, BLOCK, answer_block_ids, mdm_mask
 from pardec.models.bidirectional import non_causal
@@ -340,11 +339,10 @@ class BlockRun:
                     "block_ids": answer_block_ids(positions, self.prompt_len, info.attention_block_size or 1)[None]}
         predicate = mdm_mask(info.attention, **metadata)
         self.full_mask = additive_mask(predicate, 1, n, n, model.dtype, device)  # [1, 1, n, n]
-        self.cache: DynamicCache | None = None
-        self.steps: StaticSteps | None = None  # cuda_graphs: the model's static steps, every width prepared
-        if decoder.cfg.cuda_graphs:
-            widest = decoder.widest_step(n, block)
-            self.steps = decoder.steps.get(model, widest + SMALL, widest)  # + SMALL: room for a step's padding
+        widest = decoder.widest_step(n, block)
+        # The DLM cache: DynamicSteps, or with cuda_graphs the model's static steps with every width prepared
+        # (+ SMALL: room for a step's padding).
+        self.steps: DynamicSteps | StaticSteps = decoder.steps.get(model, widest + SMALL, widest)
         self.mode = decoder.cache_mode
         self.dlm_forwards = 0
         self.guide_forwards = 0
@@ -386,43 +384,21 @@ class BlockRun:
         n = self.window_end(e)
         use_cache = self.mode != NONE
         fed = self.x[c:n].clone()  # [n - c]
-        if self.steps is not None:
-            # Every query of the window sees every key left of it (both attentions): the static step's convention.
-            logits = self.static_forward(c, fed, self.full_mask[:, :, c:n, c:n])
-        else:
-            if use_cache:
-                if c == 0:
-                    self.cache = DynamicCache(config=self.model.config)
-                crop_cache(self.cache, c)
-                assert self.cache.get_seq_length() == c, (self.cache.get_seq_length(), c)
-            logits = self.forward(
-                input_ids=fed[None],
-                position_ids=torch.arange(c, n, device=self.x.device)[None],
-                # [1, 1, n - c, n]: query i is key c + i. A copy, not a view: a view's unaligned start crashed
-                # SDPA's memory-efficient CUDA kernel once (pardec.inference.decoders.isd.StepMasks)
-                attention_mask=self.full_mask[:, :, c:n, :n].contiguous(),
-                past_key_values=self.cache if use_cache else None,
-                use_cache=use_cache,
-            )
+        # Every query of the window sees every key left of it (both attentions): the steps' convention.
+        logits = self.window_forward(c, fed, self.full_mask[:, :, c:n, c:n])  # [n - c, V]
         if use_cache:
             self.after_forward(b, s, e, c, fed)
         return logits[s - 1 - c : e - 1 - c]  # [B, V]: output j-1 predicts position j
 
-    def forward(self, **inputs) -> torch.Tensor:
-        """One counted DLM forward ``model(**inputs)`` (batch 1): its logits ``[q, V]`` with
-        ``<|mask|>`` forbidden (:func:`forbid_mask`). Every eager MDM decoder's DLM forward goes through here,
-        every ``cuda_graphs`` one through :meth:`static_forward`."""
-        out = self.model(**inputs)
-        self.dlm_forwards += 1
-        return forbid_mask(out.logits[0], self.info.mask_id)
-
-    def static_forward(self, cached: int, ids: torch.Tensor, block: torch.Tensor,
+    def window_forward(self, cached: int, ids: torch.Tensor, block: torch.Tensor,
                        positions: torch.Tensor | None = None) -> torch.Tensor:
-        """:meth:`forward` through the static steps (``cuda_graphs``): ``ids [q]`` after the first
-        ``cached`` keys of the last forwards (0: none), every query seeing all of them and ``block
-        [1, 1, q, q]`` over the fed keys, at ``positions [q]`` (default ``cached .. cached + q - 1``)."""
+        """One counted DLM forward through the steps (batch 1): ``ids [q]`` after the first ``cached``
+        keys of the last forwards (0: none), every query seeing all of them and ``block [1, 1, q, q]``
+        over the fed keys, at ``positions [q]`` (default ``cached .. cached + q - 1``); its logits
+        ``[q, V]`` with ``<|mask|>`` forbidden (:func:`forbid_mask`)."""
         if cached:
             self.steps.crop(cached)
+            assert self.steps.length == cached, (self.steps.length, cached)
         else:
             self.steps.reset([])
         offsets = None if positions is None else (positions - cached).tolist()
@@ -430,12 +406,12 @@ class BlockRun:
         self.dlm_forwards += 1
         return forbid_mask(logits, self.info.mask_id)
 
-    def crop(self, length: int) -> None:
-        """Keep the DLM cache's first ``length`` keys."""
-        if self.steps is not None:
-            self.steps.crop(length)
-        else:
-            crop_cache(self.cache, length)
+    def forward(self, **inputs) -> torch.Tensor:
+        """One counted DLM forward ``model(**inputs)`` without the steps (COVER's, whose override
+        attention takes its own arguments): its logits ``[q, V]`` with ``<|mask|>`` forbidden."""
+        out = self.model(**inputs)
+        self.dlm_forwards += 1
+        return forbid_mask(out.logits[0], self.info.mask_id)
 
     @property
     def freeze_last(self) -> bool:
@@ -447,7 +423,7 @@ class BlockRun:
             # Whether this was the block's last step is known after select(): commit() crops.
             self._pending = (b, e - 1, c, fed)
             return
-        self.crop(s - 1)  # prefix cache, FreeCache refresh: positions < s - 1 stay
+        self.steps.crop(s - 1)  # prefix cache, FreeCache refresh: positions < s - 1 stay
         if self.mode == FREECACHE and c < s - 1:
             self._snapshot(b - 1, s - 1, c, fed)  # this forward refreshed block b-1 (-1: the prompt)
 
@@ -462,18 +438,17 @@ class BlockRun:
         if self.freeze_last:
             block, frozen_len, c, fed = self._pending
             if not self.masked_in_block(b).any():
-                self.crop(frozen_len)  # the block's last-step K/V, masks included
+                self.steps.crop(frozen_len)  # the block's last-step K/V, masks included
                 self._snapshot(block, frozen_len, c, fed)
             else:
-                self.crop(s - 1)
+                self.steps.crop(s - 1)
 
     def _snapshot(self, block: int, frozen_len: int, c: int, fed: torch.Tensor) -> None:
         if self.decoder.kv_snapshots is None:
             return
         tokens = torch.cat([self.x[:c], fed])  # the sequence as that forward saw it
-        cache = self.cache if self.steps is None else self.steps.cache
         layers = [(layer.keys[:, :, :frozen_len].clone(), layer.values[:, :, :frozen_len].clone())
-                  for layer in cache.layers]
+                  for layer in self.steps.cache.layers]
         self.decoder.kv_snapshots.append({"block": block, "frozen_len": frozen_len, "tokens": tokens, "kv": layers})
 
     def done(self, eos: set[int]) -> bool:

@@ -109,10 +109,7 @@ class WinoDecoder(MDMDecoder):
         shadow[torch.arange(k, device=device), torch.arange(s, e, device=device)] = neg  # hide the verified token
         mask[0, 0, n:, :n] = shadow
         mask[0, 0, n + torch.arange(k, device=device), n + torch.arange(k, device=device)] = 0  # itself only
-        if run.steps is not None:
-            logits = run.static_forward(0, ids, mask, positions)  # [n + k, V]
-        else:
-            logits = run.forward(input_ids=ids[None], position_ids=positions[None], attention_mask=mask)  # [n + k, V]
+        logits = run.window_forward(0, ids, mask, positions)  # [n + k, V]
         return logits[s - 1 : e - 1], logits[n:]
 
     @torch.inference_mode()
