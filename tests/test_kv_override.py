@@ -96,6 +96,23 @@ def test_a_cache_equal_to_the_current_kv_changes_nothing(cached_for):
     torch.testing.assert_close(plain, reference.transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("q_len", [7, 4])
+@pytest.mark.parametrize("cached_for", [OTHERS, VERIFIERS])
+def test_no_seed_computes_the_plain_attention_bit_for_bit(cached_for, q_len):
+    """All-false seeds with any cache (COVER's static forwards run the override in every forward): the
+    output and the kept probabilities are exactly the plain attention's, not merely close."""
+    torch.manual_seed(2)
+    q, k, v = torch.randn(2, 4, q_len, 64) * 3, torch.randn(2, 2, 7, 64), torch.randn(2, 2, 7, 64)
+    cached = (torch.randn(2, 2, 7, 64) * 5, torch.randn(2, 2, 7, 64))
+    mask = block_mask(2, q_len, 7, block=2, pad=[2, 0])
+    none = KVOverrideStep(seeds=torch.zeros(2, 7, dtype=torch.bool), cached={0: cached}, shift=1,
+                          cached_for=cached_for, attention_layer=0)
+    plain_step = KVOverrideStep(attention_layer=0)
+    out, _ = kv_override_attention(Layer(), q, k, v, mask, kv_override=none)
+    plain, _ = kv_override_attention(Layer(), q, k, v, mask, kv_override=plain_step)
+    assert torch.equal(out, plain) and torch.equal(none.attention, plain_step.attention)
+
+
 def test_a_model_runs_under_the_override_and_is_restored():
     register()
     model = tiny_model(24)
@@ -260,10 +277,11 @@ class HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_the_seeds_are_looked_up_once_per_forward_not_per_layer():
-    """``any``/``nonzero`` on the seeds stall a GPU's launches: a forward of 2 or 6 layers syncs equally
-    often, and the override still acts in every model (its logits differ from the same masked input's
-    forward without one)."""
+def test_the_override_never_reads_the_seeds_on_the_host():
+    """``any``/``nonzero`` on the seeds stall a GPU's launches and cannot be captured in a CUDA graph: a
+    forward of 2 or 6 layers under the override syncs as often as the plain forward of the same input,
+    and the override still acts in every model (its logits differ from the same masked input's forward
+    without one)."""
     register()
     ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
     bidirectional = torch.zeros(1, 1, 6, 6)
@@ -277,9 +295,11 @@ def test_the_seeds_are_looked_up_once_per_forward_not_per_layer():
             model(input_ids=ids, attention_mask=bidirectional, kv_override=first)
             masked_ids = ids.masked_fill(seeds, 23)
             plain = model(input_ids=masked_ids, attention_mask=bidirectional, kv_override=KVOverrideStep()).logits
+            with HostSyncs() as plain_counter:
+                model(input_ids=masked_ids, attention_mask=bidirectional, kv_override=KVOverrideStep())
             step = KVOverrideStep(seeds=seeds, cached=first.recorded, shift=1)
             with HostSyncs() as counter:
                 verified = model(input_ids=masked_ids, attention_mask=bidirectional, kv_override=step).logits
-        syncs[layers] = counter.count
+        syncs[layers] = (counter.count, plain_counter.count)
         assert not torch.allclose(verified, plain)
-    assert syncs[2] == syncs[6], syncs
+    assert syncs[2][0] == syncs[2][1] and syncs[6][0] == syncs[6][1], syncs

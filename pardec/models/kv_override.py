@@ -23,9 +23,15 @@ remainder. So the verifying rows' softmax is **recomputed from their scores** in
 mask) at column i, and after the value product that row's output takes ``v_i`` instead of ``v'_i`` at
 column i (``o_r += w_ri * (v_i - v'_i)``: no division, rounding as in the product itself). That is the
 second attention pass itself for those rows: as exact as the main pass for any scores, in fp32 and
-bf16 (computed in fp32), and a column the mask hides gets weight 0 there as everywhere else. Beside
-the pass it costs ``n_seeds * h * d`` for the restored logits and as much for the value change (the
-closed form also rescaled ``n_seeds * h * kv`` weights).
+bf16 (computed in fp32), and a column the mask hides gets weight 0 there as everywhere else.
+
+The verifying pairs (row i - shift, column i) all lie on one diagonal of the scores, so the restored
+logits and the value change are computed for every row of that diagonal (``q * h * d`` each, beside
+the pass's ``q * kv * h * d``) and the seed mask picks, elementwise: no lookup of the seeds' indices,
+so no host sync (a ``nonzero`` or ``any`` would stall a GPU's launches at every layer) and the forward
+can be captured as a CUDA graph with the seeds and the cache in static buffers (COVER's
+``cuda_graphs``). A row whose column is no seed gets its own score back and a value change of zero
+(its two memories agree there): all-false seeds compute the plain attention, bit for bit.
 
 Which row verifies seed column i follows the model's logit-shift convention: without a shift the
 query at i predicts position i (row i, the diagonal); with a shift (``shift=1``, this framework's
@@ -87,25 +93,6 @@ class KVOverrideStep:
     # Filled during the forward: this step's (key, value) per layer, and the kept probabilities.
     recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     attention: torch.Tensor | None = None
-    # The first layer's lookup of the seeds (see ``seed_lookup``), reused by every later layer.
-    _lookup: tuple | None = field(default=None, repr=False)
-
-    def seed_lookup(self, q_len: int, offset: int) -> tuple[bool, tuple[torch.Tensor, ...]]:
-        """``(override, (batch [n], row [n], column [n]) or ())``: whether any seed column is overridden, and each
-        seed column with the query row verifying it (``row = column - shift - offset``, kept when inside
-        this forward's ``q_len`` queries). The same in every layer of the forward, so computed once, at the
-        first layer: ``any`` and ``nonzero`` wait for the device (a host sync), which on a GPU would stall
-        the kernel launches of every layer. A step serves one forward (so does ``recorded``)."""
-        if self._lookup is None or self._lookup[0] != (q_len, offset):
-            override = self.cached is not None and self.seeds is not None and bool(self.seeds.any())
-            pairs = ()
-            if override:
-                batch_idx, col = self.seeds.nonzero(as_tuple=True)  # [n], [n]
-                row = col - self.shift - offset  # [n] query index of the verifying row
-                keep = (row >= 0) & (row < q_len)
-                pairs = (batch_idx[keep], row[keep], col[keep])
-            self._lookup = ((q_len, offset), override, pairs)
-        return self._lookup[1], self._lookup[2]
 
 
 def kv_override_attention(
@@ -137,7 +124,7 @@ def kv_override_attention(
     k = repeat_kv(key, n_rep).float()  # [b, h, kv, d]
     v = repeat_kv(value, n_rep).float()  # [b, h, kv, d]
     q = query.float()  # [b, h, q, d]
-    override, pairs = step.seed_lookup(q_len, offset) if step is not None else (False, ())
+    override = step is not None and step.cached is not None and step.seeds is not None
     k_all, v_all, k_row, v_row = k, v, k, v  # what every query sees; what the verifying rows see
     if override:
         if step.cached_for not in CACHED_FOR:
@@ -156,20 +143,26 @@ def kv_override_attention(
     if attention_mask is not None:
         scores = scores + attention_mask.float()
 
-    # 3. Each seed's verifying row r = i - shift gets column i's logit from k_row (plus the mask) before the softmax.
-    if override:
-        batch_idx, row, col = pairs  # [n] each
-        restored = (q[batch_idx, :, row] * k_row[batch_idx, :, col]).sum(-1) * scale  # [n, h]
+    # 3. Each seed's verifying row r = i - shift - offset gets column i's logit from k_row (plus the mask) before the
+    # softmax. The pairs (r, r + diagonal) lie on one diagonal of the [q, kv] scores: every row's is computed and a
+    # seed mask picks (elementwise, no lookup of the seeds' indices: no host sync, capturable in a CUDA graph).
+    diagonal = step.shift + offset if override else 0
+    rows = q_len - step.shift if override else 0  # rows with a column at the diagonal
+    if override and rows > 0:
+        verified = step.seeds[:, None, diagonal:]  # [b, 1, rows]: the column of row r is a seed
+        restored = (q[:, :, :rows] * k_row[:, :, diagonal:]).sum(-1) * scale  # [b, h, rows]
         if attention_mask is not None:
-            restored = restored + attention_mask.expand_as(scores)[batch_idx, :, row, col].float()
-        scores[batch_idx, :, row, col] = restored
+            restored = restored + attention_mask.float().expand_as(scores).diagonal(diagonal, -2, -1)  # [b, h, rows]
+        on_diagonal = scores.diagonal(diagonal, -2, -1)  # [b, h, rows], a view
+        on_diagonal.copy_(torch.where(verified, restored, on_diagonal))
 
-    # 4. Softmax and values; the verifying rows' column i takes v_row's value instead of v_all's.
+    # 4. Softmax and values; the verifying rows' column takes v_row's value instead of v_all's (the two differ
+    # only at the seed columns, so the correction is zero elsewhere).
     weights = torch.softmax(scores, dim=-1)  # [b, h, q, kv]
     out = torch.matmul(weights, v_all)  # [b, h, q, d]
-    if override:
-        seed_weight = weights[batch_idx, :, row, col].unsqueeze(-1)  # [n, h, 1]
-        out[batch_idx, :, row] += seed_weight * (v_row[batch_idx, :, col] - v_all[batch_idx, :, col])  # [n, h, d]
+    if override and rows > 0:
+        seed_weight = weights.diagonal(diagonal, -2, -1).unsqueeze(-1)  # [b, h, rows, 1]
+        out[:, :, :rows] += seed_weight * (v_row[:, :, diagonal:] - v_all[:, :, diagonal:])  # [b, h, rows, d]
 
     # 5. Keep one layer's head-averaged probabilities (COVER's seed scoring).
     if step is not None and step.attention_layer == layer:
