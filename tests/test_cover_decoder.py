@@ -29,7 +29,7 @@ from pardec.inference.decoders.cover import (
 )
 from pardec.inference.decoders.mdm_common import BlockRun, mdm_info
 from pardec.inference.decoders.registry import build_decoder
-from pardec.models.kv_override import KV_OVERRIDE
+from pardec.models.kv_override import KV_OVERRIDE, OTHERS, VERIFIERS
 from tests.conftest import tiny_model
 from tests.test_mdm_decoders import (
     EOS,
@@ -382,6 +382,14 @@ def test_with_override_equals_the_explicit_reference(seed_input):
     assert differs
 
 
+def cover_forward(decoder, run: BlockRun, seeds: list[int], cached, attention_layer: int):
+    """One COVER forward of ``run``'s state (the decoder's own ``_forward``, eager), the attention kept
+    from ``attention_layer``."""
+    cached_for = VERIFIERS if decoder.token_input else OTHERS
+    forward = decoder.forwards.get(run.model, run.full_mask, 1, attention_layer, cached_for)
+    return decoder._forward(run, forward, seeds, cached)
+
+
 @pytest.mark.parametrize("attention", ["bidirectional", "block"])
 def test_override_forward_equals_the_explicit_two_pass_model_forward(attention):
     """A whole decoder forward (seed_input=mask; two layers, seeds masked, cache from a forward over another state):
@@ -394,10 +402,10 @@ def test_override_forward_equals_the_explicit_two_pass_model_forward(attention):
     with decoder.prepare(model), torch.no_grad():
         run = BlockRun(decoder, model, mdm_info(model), prompt, L, B, torch.device("cpu"))
         run.x[len(prompt): len(prompt) + 8] = torch.randint(3, VOCAB - 1, (8,))  # two blocks decoded
-        _, previous, _ = decoder._forward(run, [], None, 1, 1)
+        _, previous, _ = cover_forward(decoder, run, [], None, 1)
         run.x[len(prompt) + 8] = 5  # the state moved on
         seeds = [len(prompt) + 4, len(prompt) + 6, len(prompt) + 7]
-        logits, step, _ = decoder._forward(run, seeds, previous.recorded, 1, 1)
+        logits, step, _ = cover_forward(decoder, run, seeds, previous.recorded, 1)
     n = run.x.numel()
     x = run.x.tolist()
     fed = [MASK if i in seeds else t for i, t in enumerate(x)]
@@ -437,11 +445,11 @@ def test_override_forward_reproduces_the_plain_forward_off_the_verifying_rows(at
     with decoder.prepare(model), torch.no_grad():
         run = BlockRun(decoder, model, info, prompt, L, B, torch.device("cpu"))
         run.x[len(prompt):] = torch.randint(3, VOCAB - 1, (L,))  # a fully decoded answer
-        plain_logits, plain, _ = decoder._forward(run, [], None, 1, 0)
+        plain_logits, plain, _ = cover_forward(decoder, run, [], None, 0)
         seeds = [len(prompt) + 1, len(prompt) + 6]
-        logits, step, _ = decoder._forward(run, seeds, plain.recorded, 1, 0)
+        logits, step, _ = cover_forward(decoder, run, seeds, plain.recorded, 0)
         decoder.cfg.override = False
-        ablated, _, _ = decoder._forward(run, seeds, plain.recorded, 1, 0)
+        ablated, _, _ = cover_forward(decoder, run, seeds, plain.recorded, 0)
     verifying = {j - 1 for j in seeds}
     others = [r for r in range(run.x.numel()) if r not in verifying and r not in seeds]
     torch.testing.assert_close(logits[others], plain_logits[others], atol=1e-5, rtol=1e-5)
@@ -547,17 +555,17 @@ def test_token_input_keeps_every_row_but_the_verifying_ones():
     with decoder.prepare(model), torch.no_grad():
         run = BlockRun(decoder, model, mdm_info(model), prompt, L, B, torch.device("cpu"))
         run.x[len(prompt):] = torch.randint(3, VOCAB - 1, (L,))
-        plain_logits, _, _ = decoder._forward(run, [], None, 1, 0)
+        plain_logits, _, _ = cover_forward(decoder, run, [], None, 0)
         masked_runs = {}
         for j in seeds:  # each seed masked alone: its column's mask-derived K/V
             saved = int(run.x[j])
             run.x[j] = MASK
-            masked_runs[j] = decoder._forward(run, [], None, 1, 0)
+            masked_runs[j] = cover_forward(decoder, run, [], None, 0)
             run.x[j] = saved
         memory = {0: tuple(t.clone() for t in masked_runs[seeds[0]][1].recorded[0])}
         for t_mem, t_j in zip(memory[0], masked_runs[seeds[1]][1].recorded[0]):
             t_mem[:, :, seeds[1]] = t_j[:, :, seeds[1]]
-        logits, _, fed_masks = decoder._forward(run, seeds, memory, 1, 0)
+        logits, _, fed_masks = cover_forward(decoder, run, seeds, memory, 0)
     assert not fed_masks.any()  # the seeds were fed their tokens
     verifying = {j - 1 for j in seeds}
     others = [r for r in range(run.x.numel()) if r not in verifying]

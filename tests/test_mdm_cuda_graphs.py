@@ -1,15 +1,15 @@
 """MDM decoders with ``cuda_graphs`` (pardec.inference.decoders.mdm_common, "CUDA graphs"): over the
-static steps (run eagerly on CPU) every MDM decoder but COVER decodes what it decodes without them, token
-for token with the same forwards and stats, every DLM and guide forward goes through the static steps,
-FreeCache freezes the same K/V, and every width is prepared before the first step. COVER refuses by
-name. The CUDA test checks the captured graphs."""
+static steps (run eagerly on CPU) every MDM decoder but COVER (which keeps no cache) decodes what it
+decodes without them, token for token with the same forwards and stats, every DLM and guide forward
+goes through the static steps, FreeCache freezes the same K/V, and every width is prepared before the
+first step (COVER's static forwards: tests/test_cover_cuda_graphs.py). The CUDA test checks the
+captured graphs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pardec.common.errors import ConfigError
 from pardec.inference.decoders.decode_steps import SMALL, StepsPool, step_width
 from pardec.inference.decoders.registry import build_decoder
 from tests.test_mdm_decoders import EOS, PROMPTS, guide_dir, load_guide, mdm_model, mdm_tokenizer  # noqa: F401
@@ -104,11 +104,6 @@ def test_freecache_with_cuda_graphs_freezes_the_same_kv():
 def test_guided_with_cuda_graphs_decodes_as_without(guide_dir, case):  # noqa: F811
     guide = load_guide(guide_dir)
     check_static_equals_eager({**GUIDED[case], "guide": str(guide_dir)}, "bidirectional", guide)
-
-
-def test_cover_with_cuda_graphs_is_a_named_error():
-    with pytest.raises(ConfigError, match="decoder.cuda_graphs.*COVER"):
-        build_decoder({"name": "cover", "max_new_tokens": L, "cuda_graphs": True}, mdm_tokenizer())
 
 
 @pytest.mark.gpu

@@ -9,7 +9,9 @@ docs/methods/cover.md#deviations-and-choices.
 Same fixed length, semi-AR blocks, named errors, EOS stop and counting as the other MDM decoders
 (:mod:`pardec.inference.decoders.mdm_common`): ``prompt + L x <|mask|>``, blocks decoded left to right,
 decoding stops once every position up to the first EOS is decoded; every forward is a decoding
-forward (no cache: each step is one full forward with the explicit bidirectional/block mask).
+forward (no cache: each step is one full forward with the explicit bidirectional/block mask). With
+``cuda_graphs`` the forwards read static buffers and, on a GPU, replay one captured graph per sequence
+length (:mod:`pardec.inference.decoders.override_forward`; docs/methods/cover.md#cuda-graphs).
 
 **One step** (current block ``[s, e)``; with the logit shift, position j is read from output j-1):
 
@@ -86,6 +88,7 @@ import torch
 from pardec.common.attention import attention_implementation
 from pardec.common.config_fields import Choice, ranged
 from pardec.inference.decoders.base import DecodeResult, LoopTimer, model_device
+from pardec.inference.decoders.decode_steps import StepsPool
 from pardec.inference.decoders.mdm_common import (
     REMASK,
     REPLACE,
@@ -95,8 +98,9 @@ from pardec.inference.decoders.mdm_common import (
     RevisionLog,
     mdm_info,
 )
+from pardec.inference.decoders.override_forward import OverrideForwards
 from pardec.models.bidirectional import non_causal
-from pardec.models.kv_override import KV_OVERRIDE, OTHERS, VERIFIERS, KVOverrideStep, register
+from pardec.models.kv_override import KV_OVERRIDE, OTHERS, VERIFIERS, register
 
 KEEP = "keep"
 
@@ -210,8 +214,8 @@ def select_seeds(scores: torch.Tensor, pool: torch.Tensor, eligible: torch.Tenso
 def remember_mask_kv(memory, recorded, fed_masks: torch.Tensor):
     """Per layer, ``recorded`` K/V [1, h_kv, n, d] at the positions fed a mask (``fed_masks [n]``),
     ``memory``'s elsewhere (all of ``recorded`` when there is no memory yet)."""
-    if memory is None:
-        return dict(recorded)
+    if memory is None:  # copies: a captured forward rewrites its recorded K/V at its next replay
+        return {layer: (k.clone(), v.clone()) for layer, (k, v) in recorded.items()}
     where = fed_masks[None, None, :, None]  # [1, 1, n, 1]
     return {layer: (torch.where(where, k, memory[layer][0]), torch.where(where, v, memory[layer][1]))
             for layer, (k, v) in recorded.items()}
@@ -220,11 +224,13 @@ def remember_mask_kv(memory, recorded, fed_masks: torch.Tensor):
 class CoverDecoder(MDMDecoder):
     name = "cover"
     no_freecache_reason = "COVER runs one full forward per step (its K/V override replaces the previous step's K/V)"
-    no_cuda_graphs_reason = ("COVER's K/V-override attention takes each step's seeds and injected K/V as Python "
-                             "arguments and returns the last layer's attention, which a captured graph cannot replay")
 
     def __init__(self, cfg: CoverConfig, tokenizer):
         super().__init__(cfg, tokenizer)
+        # Every COVER forward is a full override forward, eager or static (cuda_graphs); the block run's decode
+        # steps are never used, so they stay eager (no static cache allocated, no width captured).
+        self.steps = StepsPool(cuda_graphs=False)
+        self.forwards = OverrideForwards(cfg.cuda_graphs)
 
     @contextlib.contextmanager
     def prepare(self, model) -> Iterator[None]:
@@ -242,26 +248,20 @@ class CoverDecoder(MDMDecoder):
 
     # -- one forward -------------------------------------------------------------------------------
 
-    def _forward(self, run: BlockRun, seeds: list[int], cached, shift: int, last_layer: int):
+    def _forward(self, run: BlockRun, forward, seeds: list[int], cached):
         """The full sequence with ``seeds`` masked (or, ``seed_input=token``, holding their tokens);
         logits [n, V], the step (recorded K/V, attention) and which positions were fed a mask [n]."""
-        n = run.x.numel()
         fed = run.x.clone()
-        seed_mask = torch.zeros(1, n, dtype=torch.bool, device=run.x.device)
-        token_input = self.token_input
+        seed_mask = torch.zeros_like(run.x, dtype=torch.bool)  # [n]
         if seeds:
-            if not token_input:
+            if not self.token_input:
                 fed[seeds] = run.info.mask_id
-            seed_mask[0, seeds] = True
+            seed_mask[seeds] = True
         use_override = self.cfg.override and bool(seeds) and cached is not None
-        step = KVOverrideStep(seeds=seed_mask if use_override else None, cached=cached if use_override else None,
-                              shift=shift, attention_layer=last_layer,
-                              cached_for=VERIFIERS if token_input else OTHERS)
-        logits = run.forward(input_ids=fed[None], position_ids=torch.arange(n, device=run.x.device)[None],
-                             attention_mask=run.full_mask, kv_override=step)
+        logits, step = forward(fed, seed_mask if use_override else None, cached if use_override else None)
         if step.attention is None:
             raise RuntimeError("the KV-override attention did not run (decode inside decoder.prepare(model))")
-        return logits, step, fed == run.info.mask_id
+        return run.counted(logits), step, fed == run.info.mask_id
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -287,6 +287,8 @@ class CoverDecoder(MDMDecoder):
         mask_id = info.mask_id
         token_input = self.token_input
         mask_kv = None  # seed_input=token: per layer, each position's K/V from the last forward that fed it a mask
+        # Built (with cuda_graphs on a GPU: captured) before the timed loop.
+        forward = self.forwards.get(model, run.full_mask, shift, last_layer, VERIFIERS if token_input else OTHERS)
 
         with LoopTimer(device) as timer:
             for b in range(run.n_blocks):
@@ -294,7 +296,7 @@ class CoverDecoder(MDMDecoder):
                 seeds: list[int] = []  # absolute positions verified by the next forward
                 cached = None
                 while run.masked_in_block(b).any():
-                    logits, step, fed_masks = self._forward(run, seeds, cached, shift, last_layer)
+                    logits, step, fed_masks = self._forward(run, forward, seeds, cached)
                     if token_input:
                         mask_kv = remember_mask_kv(mask_kv, step.recorded, fed_masks)
                     probs = torch.softmax(logits[s - shift : e - shift].float(), dim=-1)  # [B, V]

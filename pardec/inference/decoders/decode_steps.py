@@ -1,6 +1,7 @@
 """Batch-1 decode steps: over a ``DynamicCache`` (eager), or over a ``StaticCache`` with each step
 width captured once as a CUDA graph (``cuda_graphs: true``: the AR, ISD, Jacobi, multi-block, ReFusion
-and MDM decoders but COVER).
+and MDM decoders but COVER, whose full forwards have their own static form:
+:mod:`pardec.inference.decoders.override_forward`).
 
 Both kinds have one interface: ``reset(context)``, ``forward(ids, block, offsets=None, context=None)
 -> logits [q, V]`` (the ``q`` ids after the cached keys, ``block [1, 1, q, q]`` the additive mask over

@@ -46,13 +46,13 @@ the window sees every position left of it, which is the steps' convention for th
 steps are a ``DynamicCache`` by default; with ``cuda_graphs: true`` (batch 1) the model's static
 cache, every width up to the decoder's widest forward (:meth:`MDMDecoder.widest_step`) captured as
 a CUDA graph before the first step (the two are compared token for token in the tests). COVER's
-override forwards cannot be captured (``no_cuda_graphs_reason``); they go through
-:meth:`BlockRun.forward`.
+override forwards (full forwards, no cache) have their own static form and graphs
+(:mod:`pardec.inference.decoders.override_forward`).
 
 **``<|mask|>`` is never proposed.** Every DLM forward of an MDM decoder goes through
-:meth:`BlockRun.window_forward` or (COVER's) :meth:`BlockRun.forward`, which set the
-mask id's logit to -inf (:func:`forbid_mask`) before any decoder reads it, so no draft, commit,
-Replace or confidence ever involves ``<|mask|>``, however the
+:meth:`BlockRun.counted` (after the steps in :meth:`BlockRun.window_forward`, after COVER's override
+forwards), which sets the mask id's logit to -inf (:func:`forbid_mask`) before any decoder reads
+it, so no draft, commit, Replace or confidence ever involves ``<|mask|>``, however the
 model was loaded (``pardec.inference.checkpoint.load_checkpoint`` installs the same exclusion as a
 hook, so a loaded checkpoint's figures do not change). ``<|mask|>`` is an input symbol: a position
 given it would stay masked and be drafted again at every step, without end.
@@ -165,16 +165,11 @@ class MDMDecoder(PerSampleDecoder):
     default_cache = NONE
     # Why a decoder cannot use FreeCache (it needs one full forward per step), or None when it can.
     no_freecache_reason: str | None = None
-    # Why a decoder cannot run its steps as CUDA graphs, or None when it can.
-    no_cuda_graphs_reason: str | None = None
 
     def __init__(self, cfg: MDMDecoderConfig, tokenizer):
         super().__init__(cfg, tokenizer)
         if cfg.freecache and self.no_freecache_reason:
             raise ConfigError(f"config key 'decoder.freecache' = true: {self.no_freecache_reason}; use freecache=false")
-        if cfg.cuda_graphs and self.no_cuda_graphs_reason:
-            raise ConfigError(f"config key 'decoder.cuda_graphs' = true: {self.no_cuda_graphs_reason}; "
-                              "use cuda_graphs=false")
         self.steps = StepsPool(cfg.cuda_graphs)
         self.kv_snapshots: list[dict[str, Any]] | None = None  # tests: set to [] to record frozen K/V
 
@@ -402,16 +397,13 @@ class BlockRun:
         else:
             self.steps.reset([])
         offsets = None if positions is None else (positions - cached).tolist()
-        logits = self.steps.forward(ids.tolist(), block, offsets)
+        return self.counted(self.steps.forward(ids.tolist(), block, offsets))
+
+    def counted(self, logits: torch.Tensor) -> torch.Tensor:
+        """Count one DLM forward and return its ``logits [q, V]`` with ``<|mask|>`` forbidden (every DLM
+        forward: the steps', and COVER's override forwards, which run without them)."""
         self.dlm_forwards += 1
         return forbid_mask(logits, self.info.mask_id)
-
-    def forward(self, **inputs) -> torch.Tensor:
-        """One counted DLM forward ``model(**inputs)`` without the steps (COVER's, whose override
-        attention takes its own arguments): its logits ``[q, V]`` with ``<|mask|>`` forbidden."""
-        out = self.model(**inputs)
-        self.dlm_forwards += 1
-        return forbid_mask(out.logits[0], self.info.mask_id)
 
     @property
     def freeze_last(self) -> bool:
