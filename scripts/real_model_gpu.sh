@@ -11,9 +11,10 @@
 #   decoded in blocks of 32), then the tables named in MDM_TABLES, in that order (default "flashdlm
 #   cover"): the FlashDLM table (pardec.benchmarks.mdm_flashdlm; MDM_ROWS: its --rows, default all), in
 #   each of DECODE_MODES (graphs: gpu_mdm_flashdlm*_graphs_<gpu>; eager: gpu_mdm_flashdlm*_<gpu>), and
-#   the COVER table (pardec.benchmarks.cover: tau_draft chosen on COVER_VAL val problems, default 10;
-#   eager: COVER's override cannot be captured), both on PROBLEMS test problems; the block32 and bidir
-#   runs' tables are named gpu_*_block32_<gpu> and gpu_*_bidir_<gpu>.
+#   the COVER table (pardec.benchmarks.cover with the base's AR row: tau_draft chosen on COVER_VAL val
+#   problems, default 10), in each of DECODE_MODES (graphs: gpu_cover*_graphs_<gpu>; eager: gpu_cover*_<gpu>),
+#   both on PROBLEMS test problems; the block32 and bidir runs' tables are named gpu_*_block32_<gpu> and
+#   gpu_*_bidir_<gpu> (before the graphs suffix).
 # - JACOBI=1 (default 0): the Jacobi Forcing conversion (experiment=smollm2_jacobi_forcing_gpu: trajectories
 #   collected 32 prompts at a time, one round at n=8), then the Jacobi Forcing table
 #   (pardec.benchmarks.jacobi_forcing: n among 4, 8, 16 chosen on JACOBI_VAL val problems, default 10, for
@@ -24,8 +25,8 @@
 #   REFUSION_VAL val problems, default 10, then the chosen tau and its KV-recomputation ablation) on
 #   PROBLEMS test problems, in each of DECODE_MODES (graphs: gpu_refusion_graphs_<gpu>; eager:
 #   gpu_refusion_<gpu>). Runs after Jacobi Forcing: with both, a time limit stops ReFusion first.
-# DECODE_MODES (default "graphs eager") names the I-DLM, FlashDLM, Jacobi Forcing and ReFusion tables' decoding
-# modes, in that order ("graphs" alone saves the eager table's minutes in a short device session).
+# DECODE_MODES (default "graphs eager") names the I-DLM, FlashDLM, COVER, Jacobi Forcing and ReFusion tables'
+# decoding modes, in that order ("graphs" alone saves the eager table's minutes in a short device session).
 # Decoding is fp32, so "lossless" is checked token for token without bf16 rounding. Tables go to
 # benchmarks/results/real/gpu_*_<gpu>, the training commands' wall times to gpu_conversions_<gpu>.json
 # (a conversion's entry once its tables are written, replacing the same run's from an earlier session: a
@@ -130,9 +131,14 @@ if [ "$with_mdm" = 1 ]; then
           --out $out/gpu_mdm_flashdlm${mdm_suffix}$([ $mode = graphs ] && echo _graphs)_$gpu$tag
       done
     else
-      stamp "benchmark: COVER table, tau_draft on $cover_val val problems, $problems test problems"
-      $py -m pardec.benchmarks.cover --mdm $mdm/hf --num-samples "$problems" --num-validation "$cover_val" \
-        --device auto --dtype float32 --threads 8 --out $out/gpu_cover${mdm_suffix}_$gpu$tag
+      for mode in $decode_modes; do
+        stamp "benchmark ($mode): AR greedy vs the COVER table, tau_draft on $cover_val val problems, $problems" \
+          "test problems"
+        $py -m pardec.benchmarks.cover --base $sft/hf --mdm $mdm/hf --num-samples "$problems" \
+          --num-validation "$cover_val" --device auto --dtype float32 --threads 8 \
+          $([ $mode = graphs ] && echo --cuda-graphs) \
+          --out $out/gpu_cover${mdm_suffix}$([ $mode = graphs ] && echo _graphs)_$gpu$tag
+      done
     fi
   done
   write_walls $mdm_experiment$tag

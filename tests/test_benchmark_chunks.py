@@ -1,15 +1,19 @@
 """A benchmark decoded in chunks (pardec.benchmarks.chunks): the pooled records equal one run's, a
 rerun decodes only the missing chunks, a stopped run keeps its finished chunks and says how far it
-got, and chunks of another setting or a broken file are refused by name."""
+got, and chunks of another setting or a broken file are refused by name; the committed real-model chunks
+are what the reproduce commands fingerprint today."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import datasets
 import pytest
 
+from pardec.benchmarks import cover, mdm_flashdlm
 from pardec.benchmarks.chunks import chunk_bounds, run_in_chunks
+from pardec.cli.reproduce import REAL, REAL_STEPS
 from tests.test_mdm_benchmarks_real_flags import chat_mdm_export
 from tests.conftest import save_chat_checkpoint
 
@@ -22,6 +26,9 @@ def fake_rows(subset) -> dict[str, list[dict]]:
     """Two rows whose records remember which prompt they decoded, numbered from 0 as evaluate does."""
     return {key: [{"index": i, "prompt": row["prompt"], "row": key} for i, row in enumerate(subset)]
             for key in ("a", "b")}
+
+
+REAL_CHUNKS = Path(__file__).resolve().parents[1] / REAL / "chunks"
 
 
 def test_chunk_bounds_cover_every_problem_once():
@@ -158,3 +165,37 @@ def test_cover_in_chunks_with_base_equals_one_run(tmp_path):
         same = [c[r["decoder"]][0]["output_ids"] == c[AR_LABEL][0]["output_ids"] for c in saved]
         assert r["identical_to_base_ar"] == sum(same) / len(same)
     assert pooled[0]["identical_to_base_ar"] == 1.0 and "= base AR greedy" in (tmp_path / "c.md").read_text()
+
+
+# -- the committed real-model chunks --------------------------------------------------------------
+
+
+def committed_fingerprint(step_name: str) -> dict:
+    chunk = json.loads(next(iter(sorted((REAL_CHUNKS / step_name).glob("*.json")))).read_text())
+    return {k: v for k, v in chunk["fingerprint"].items() if k not in ("torch", "checkpoint_sha256")}
+
+
+def step_args(step_name: str) -> list[str]:
+    step = next(s for s in REAL_STEPS if s.name == step_name)
+    return step.command[step.command.index("-m") + 2:]
+
+
+MDM_BLOCK = 2  # recipe.block_size of experiment=smollm2_mdm: the decoding block both commands default to
+
+
+def test_the_reproduce_commands_still_make_the_committed_chunks_fingerprints():
+    """``pardec.cli.reproduce --real`` goes on from the committed chunks only when its commands fingerprint
+    them as they were made (a new config key, even at its default, would have every chunk refused): the
+    FlashDLM and COVER tables' settings today against their first chunk's (the torch version and the
+    checkpoints' digests, added when decoding, aside)."""
+    args = mdm_flashdlm.parse_args(step_args("cpu_mdm_flashdlm"))
+    args.block_size = MDM_BLOCK
+    assert mdm_flashdlm.chunk_fingerprint(args, mdm_flashdlm.selected_rows(args)) == committed_fingerprint(
+        "cpu_mdm_flashdlm")
+
+    args = cover.parse_args(step_args("cpu_cover"))
+    args.block_size = MDM_BLOCK
+    validation = json.loads((REAL_CHUNKS.parent / "cpu_cover.json").read_text())["validation"]
+    tau = cover.choose_tau(validation, args.select)["tau_draft"]  # the committed run's choice on val
+    fingerprint = json.loads(json.dumps(cover.chunk_fingerprint(args, cover.test_rows(args, tau))))  # tuples as lists
+    assert fingerprint == committed_fingerprint("cpu_cover")

@@ -54,7 +54,7 @@ def test_mdm_flashdlm_with_cuda_graphs_measures_what_eager_decoding_measures(tmp
     timed = {"tps", "tps_vs_mdm_baseline", "tps_vs_base_ar", "config"}
     assert len(tables[True]) == len(tables[False]) == 9
     for graphs, eager in zip(tables[True], tables[False]):
-        assert graphs["config"] == {**eager["config"], "cuda_graphs": True} and not eager["config"]["cuda_graphs"]
+        assert graphs["config"] == {**eager["config"], "cuda_graphs": True} and "cuda_graphs" not in eager["config"]
         assert {k: v for k, v in graphs.items() if k not in timed} == {k: v for k, v in eager.items() if k not in timed}
     assert "every decode step a CUDA graph" in (tmp_path / "r1.md").read_text()
 
@@ -71,11 +71,34 @@ def test_cover_real_model_flags(tmp_path):
     assert "--taus 0.9 --template chat" in text and "float32 on cpu" in text
 
 
+def test_cover_with_cuda_graphs_measures_what_eager_decoding_measures(tmp_path):
+    """--cuda-graphs: every row (AR, the MDM decoders, COVER's static override forwards; validation too); on
+    CPU they run eagerly, so every column but the timings equals the eager run's."""
+    from pardec.benchmarks.cover import main
+
+    base, mdm = save_chat_checkpoint(tmp_path / "base"), chat_mdm_export(tmp_path / "mdm")
+    tables = {}
+    for flags in ([], ["--cuda-graphs"]):
+        out = tmp_path / f"c{len(flags)}"
+        main(["--base", str(base), "--mdm", str(mdm), "--num-samples", "2", "--num-validation", "2",
+              "--max-new-tokens", "8", "--block-size", "4", "--taus", "0.5,0.9", "--template", "chat",
+              "--out", str(out), *flags])
+        tables[bool(flags)] = json.loads(out.with_suffix(".json").read_text())
+    timed = {"tps", "tps_ratio", "tps_vs_base_ar", "seconds"}
+    for part in ("validation", "test"):
+        assert len(tables[True][part]) == len(tables[False][part]) > 1
+        for graphs, eager in zip(tables[True][part], tables[False][part]):
+            untimed = {k: v for k, v in eager.items() if k not in timed}
+            assert {k: v for k, v in graphs.items() if k not in timed} == untimed
+    assert "every forward a CUDA graph" in (tmp_path / "c1.md").read_text()  # the setting every row shares
+    assert "--cuda-graphs" in (tmp_path / "c1.md").read_text()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_mdm_benchmarks_every_row_on_cuda(tmp_path):
     """Every MDM decoder row of both benchmarks runs on CUDA (fp32), and guided-shifted still
-    reproduces the base's AR greedy there, eagerly and with every step a CUDA graph."""
+    reproduces the base's AR greedy there, eagerly and with every step (COVER's forwards too) a CUDA graph."""
     from pardec.benchmarks.cover import main as cover
     from pardec.benchmarks.mdm_flashdlm import main as flashdlm
 
@@ -86,6 +109,8 @@ def test_mdm_benchmarks_every_row_on_cuda(tmp_path):
                   *flags])
         rows = {r["key"]: r for r in json.loads((tmp_path / "f.json").read_text())}
         assert len(rows) == 9 and rows["guided_shifted"]["identical_to_base_ar"] == 1.0, flags
-    cover(["--mdm", str(mdm), "--num-samples", "2", "--num-validation", "2", "--max-new-tokens", "8",
-           "--block-size", "4", "--taus", "0.9", "--template", "chat", "--device", "cuda", "--out", str(tmp_path / "c")])
-    assert len(json.loads((tmp_path / "c.json").read_text())["test"]) == 7
+    for flags in ([], ["--cuda-graphs"]):
+        cover(["--mdm", str(mdm), "--num-samples", "2", "--num-validation", "2", "--max-new-tokens", "8",
+               "--block-size", "4", "--taus", "0.9", "--template", "chat", "--device", "cuda",
+               "--out", str(tmp_path / "c"), *flags])
+        assert len(json.loads((tmp_path / "c.json").read_text())["test"]) == 7, flags

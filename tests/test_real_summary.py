@@ -218,18 +218,21 @@ def test_gpu_script_saves_a_conversion_wall_time_once_its_tables_are_written(tmp
     assert list(saved_conversions(tmp_path)) == expected
 
 
-def test_gpu_script_runs_the_flashdlm_table_in_each_decode_mode(tmp_path):
-    """MDM=1: the FlashDLM table once per DECODE_MODES entry (graphs: --cuda-graphs, its own table name), the
-    COVER table once, eager."""
-    done = run_gpu_script(tmp_path, MDM="1", DECODE_MODES="graphs eager")
+@pytest.mark.parametrize("attention", ["block", "block32"])
+def test_gpu_script_runs_the_mdm_tables_in_each_decode_mode(tmp_path, attention):
+    """MDM=1: the FlashDLM table, then the COVER table (with the base's AR row), each once per DECODE_MODES
+    entry (graphs: --cuda-graphs, its own table name; the block-32 run's names carry _block32 first)."""
+    done = run_gpu_script(tmp_path, MDM="1", MDM_ATTENTION=attention, DECODE_MODES="graphs eager")
     assert done.returncode == 0, done.stdout + done.stderr
     benchmarks = [line for line in done.stdout.splitlines() if line.startswith("stub: -m pardec.benchmarks.")]
-    flashdlm = [line for line in benchmarks if "mdm_flashdlm" in line]
-    assert len(flashdlm) == 2 and len(benchmarks) == 3
-    out = "--out benchmarks/results/real/gpu_mdm_flashdlm"
-    assert "--cuda-graphs" in flashdlm[0] and flashdlm[0].endswith(f"{out}_graphs_cpu")
-    assert "--cuda-graphs" not in flashdlm[1] and flashdlm[1].endswith(f"{out}_cpu")
-    assert "--cuda-graphs" not in next(line for line in benchmarks if "benchmarks.cover" in line)
+    assert len(benchmarks) == 4
+    suffix = "" if attention == "block" else "_block32"
+    for (graphs, eager), table in zip((benchmarks[:2], benchmarks[2:]), ("mdm_flashdlm", "cover")):
+        out = f"--out benchmarks/results/real/gpu_{table}{suffix}"
+        assert f"pardec.benchmarks.{table} " in graphs and f"pardec.benchmarks.{table} " in eager
+        assert "--cuda-graphs" in graphs and graphs.endswith(f"{out}_graphs_cpu")
+        assert "--cuda-graphs" not in eager and eager.endswith(f"{out}_cpu")
+    assert all("--base runs/smollm2_sft_gpu/hf" in line for line in benchmarks[2:])
 
 
 def test_gpu_script_runs_the_refusion_table_in_each_decode_mode(tmp_path):

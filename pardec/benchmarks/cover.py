@@ -17,7 +17,9 @@ validation problems are the generator's ``val`` split (disjoint from train and t
 the run). ``--chunk-dir DIR``: the test rows decoded ``--chunk-size`` problems at a time, every row
 on each chunk in turn, each chunk saved in DIR and skipped when the same command runs again (the
 validation sweep runs first each time); the table, of the problems done so far, is rewritten after
-every chunk (``pardec.benchmarks.chunks``).
+every chunk (``pardec.benchmarks.chunks``). ``--cuda-graphs``: every row (validation included) decodes
+with ``cuda_graphs=true`` (the MDM decoders' static steps, COVER's static override forwards; on a GPU
+each captured as CUDA graphs before a problem is timed).
 
 Columns: accuracy (exact ``#### n``), steps per sample (= forwards), TPF (committed tokens /
 forwards), TPS, TPS / baseline and (with ``--base``) = base AR greedy (fraction of problems whose output
@@ -78,12 +80,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="every row decodes with cuda_graphs=true (static buffers, each forward a CUDA graph)")
     p.add_argument("--chunk-dir", default=None,
                    help="decode the test rows in chunks of problems saved here, resumed when run again "
                         "(pardec.benchmarks.chunks)")
     p.add_argument("--chunk-size", type=int, default=10, help="problems per chunk (with --chunk-dir)")
     p.add_argument("--out", default=str(RESULTS / "cover"))
     return p.parse_args(argv)
+
+
+def graphs_setting(args: argparse.Namespace) -> dict:
+    """``cuda_graphs`` in every row's config only when on, so that the committed chunks of eager runs keep
+    their fingerprint."""
+    return {"cuda_graphs": True} if args.cuda_graphs else {}
+
+
+def common_settings(args: argparse.Namespace) -> dict:
+    """What every MDM row (COVER's validation included) shares."""
+    return {"max_new_tokens": args.max_new_tokens, "block_size": args.block_size, "batch_size": 1,
+            **graphs_setting(args)}
+
+
+def test_rows(args: argparse.Namespace, tau: float) -> list[tuple[str, dict]]:
+    """(label, decoder config) of every test row, COVER's at the chosen ``tau``; the AR row with ``--base``."""
+    common = common_settings(args)
+    ar = [(AR_LABEL, {"name": "ar", "max_new_tokens": args.max_new_tokens, "batch_size": 1, **graphs_setting(args)})]
+    return [(label, decoder if label == AR_LABEL else {**decoder, **common}) for label, decoder in [
+        *(ar if args.base else []),
+        (BASELINE_LABEL, {"name": "mdm_lowconf"}),
+        ("Fast-dLLM threshold 0.9 (prefix cache)", {"name": "mdm_threshold", "threshold": 0.9}),
+        *REVOCABLE_BASELINES,
+        (f"COVER tau={tau}", {"name": "cover", "draft_threshold": tau}),
+        (f"COVER tau={tau}, seeds fed masked (paper)", {"name": "cover", "draft_threshold": tau, "seed_input": "mask"}),
+        (f"COVER tau={tau} without override", {"name": "cover", "draft_threshold": tau, "override": False}),
+    ]]
+
+
+def chunk_fingerprint(args: argparse.Namespace, rows: list[tuple[str, dict]]) -> dict:
+    """What the test chunks are made by (pardec.benchmarks.chunks: a chunk of another setting is refused)."""
+    return {"benchmark": "cover", "mdm": args.mdm, "base": args.base, "template": args.template,
+            "device": args.device, "dtype": args.dtype, "threads": args.threads,
+            "rows": [[label, decoder] for label, decoder in rows]}
 
 
 def metrics_row(records: list[dict], decoder: dict, tok, is_ar: bool = False) -> dict:
@@ -138,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     test = held_out_rows(args.num_samples)
     val = validation_rows(args.num_validation)
     warmup = test.select(range(min(2, len(test))))
-    common = {"max_new_tokens": args.max_new_tokens, "block_size": args.block_size, "batch_size": 1}
+    common = common_settings(args)
 
     tuning = []
     for tau in (float(t) for t in args.taus.split(",")):
@@ -155,16 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     baseline_accuracy = max((r["accuracy"] for r in baselines_val), default=None)
     tau = choose_tau(tuning, args.select, baseline_accuracy)["tau_draft"]
 
-    ar = [(AR_LABEL, {"name": "ar", "max_new_tokens": args.max_new_tokens, "batch_size": 1})] if base else []
-    rows = [(label, decoder if label == AR_LABEL else {**decoder, **common}) for label, decoder in [
-        *ar,
-        (BASELINE_LABEL, {"name": "mdm_lowconf"}),
-        ("Fast-dLLM threshold 0.9 (prefix cache)", {"name": "mdm_threshold", "threshold": 0.9}),
-        *REVOCABLE_BASELINES,
-        (f"COVER tau={tau}", {"name": "cover", "draft_threshold": tau}),
-        (f"COVER tau={tau}, seeds fed masked (paper)", {"name": "cover", "draft_threshold": tau, "seed_input": "mask"}),
-        (f"COVER tau={tau} without override", {"name": "cover", "draft_threshold": tau, "override": False}),
-    ]]
+    rows = test_rows(args, tau)
     warmed = set()
 
     def run_chunk(problems) -> dict[str, list[dict]]:
@@ -202,14 +231,12 @@ def main(argv: list[str] | None = None) -> None:
                       f"Checkpoint: {args.mdm}{f' (AR row: {args.base})' if base else ''}. Test: the first {done} "
                       f"held-out problems{progress}; COVER's tau_draft tuned on the first {args.num_validation} "
                       f"problems of the generator's val split. Block {args.block_size}, {args.max_new_tokens} new "
-                      f"tokens, batch 1, {args.dtype} on {args.device} ({args.threads} threads), template "
+                      f"tokens, batch 1, {args.dtype} on {args.device} ({args.threads} threads"
+                      f"{', every forward a CUDA graph' if args.cuda_graphs else ''}), template "
                       f"{args.template}.\n\nValidation (COVER):\n\n{tune_md}\n\nTest:\n\n{md}",
                       {"validation": tuning, "validation_baselines": baselines_val, "test": table})
 
-    fingerprint = {"benchmark": "cover", "mdm": args.mdm, "base": args.base, "template": args.template,
-                   "device": args.device, "dtype": args.dtype, "threads": args.threads,
-                   "rows": [[label, decoder] for label, decoder in rows]}
-    decode_all(test, args.chunk_dir, args.chunk_size, fingerprint, run_chunk, write_table,
+    decode_all(test, args.chunk_dir, args.chunk_size, chunk_fingerprint(args, rows), run_chunk, write_table,
                checkpoints=[args.mdm] + ([args.base] if args.base else []))
 
 

@@ -68,14 +68,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def rows_config(args) -> list[tuple[str, str, str, dict | None]]:
     """(key, label, model, decoder config) per row; the baseline row is ``lowconf1``."""
-    mdm = {"max_new_tokens": args.gen_length, "block_size": args.block_size, "batch_size": 1,
-           "cuda_graphs": args.cuda_graphs}
+    graphs = {"cuda_graphs": True} if args.cuda_graphs else {}  # only when on: eager chunks keep their fingerprint
+    mdm = {"max_new_tokens": args.gen_length, "block_size": args.block_size, "batch_size": 1, **graphs}
     fc = {"freecache": True}
     guided = {"name": "mdm_guided", "guide": args.base, **mdm}
     half = max(args.block_size // 2, 1)
     return [
         ("ar", "AR greedy (base)", "base",
-         {"name": "ar", "max_new_tokens": args.gen_length, "batch_size": 1, "cuda_graphs": args.cuda_graphs}),
+         {"name": "ar", "max_new_tokens": args.gen_length, "batch_size": 1, **graphs}),
         ("lowconf1", "MDM low-confidence, 1 token/step (baseline)", "mdm", {"name": "mdm_lowconf", **mdm}),
         ("lowconf2", "MDM low-confidence, 2 tokens/step", "mdm",
          {"name": "mdm_lowconf", "steps_per_block": half, **mdm}),
@@ -125,6 +125,23 @@ def table_md(table: list[dict]) -> str:
     ])
 
 
+def selected_rows(args) -> list[tuple[str, str, str, dict | None]]:
+    """The rows ``--rows`` names (all by default), as :func:`rows_config` gives them."""
+    rows = rows_config(args)
+    if args.rows == "all":
+        return rows
+    keys = set(args.rows.split(","))
+    return [r for r in rows if r[0] in keys]
+
+
+def chunk_fingerprint(args, selected: list[tuple[str, str, str, dict | None]]) -> dict:
+    """What the chunks are made by (pardec.benchmarks.chunks: a chunk of another setting is refused)."""
+    return {"benchmark": "mdm_flashdlm", "base": args.base, "mdm": args.mdm, "split": args.split,
+            "gen_length": args.gen_length, "block_size": args.block_size, "template": args.template,
+            "device": args.device, "dtype": args.dtype, "threads": args.threads,
+            "rows": [[key, decoder] for key, _, _, decoder in selected]}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -134,10 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     guide = models["base"][0]
     if args.block_size is None:
         args.block_size = default_block_size(mdm_info(models["mdm"][0]))
-    selected = rows_config(args)
-    if args.rows != "all":
-        keys = set(args.rows.split(","))
-        selected = [r for r in selected if r[0] in keys]
+    selected = selected_rows(args)
 
     warmup, warmed = eval_rows.select(range(min(2, len(eval_rows)))), set()
 
@@ -173,11 +187,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"{', every decode step a CUDA graph' if args.cuda_graphs else ''}), "
                       f"template {args.template}.\n\n{md}", table)
 
-    fingerprint = {"benchmark": "mdm_flashdlm", "base": args.base, "mdm": args.mdm, "split": args.split,
-                   "gen_length": args.gen_length, "block_size": args.block_size, "template": args.template,
-                   "device": args.device, "dtype": args.dtype, "threads": args.threads,
-                   "rows": [[key, decoder] for key, _, _, decoder in selected]}
-    decode_all(eval_rows, args.chunk_dir, args.chunk_size, fingerprint, run_chunk, write_table,
+    decode_all(eval_rows, args.chunk_dir, args.chunk_size, chunk_fingerprint(args, selected), run_chunk, write_table,
                checkpoints=[args.base, args.mdm])
 
 
