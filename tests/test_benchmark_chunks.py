@@ -197,5 +197,5 @@ def test_the_reproduce_commands_still_make_the_committed_chunks_fingerprints():
     args.block_size = MDM_BLOCK
     validation = json.loads((REAL_CHUNKS.parent / "cpu_cover.json").read_text())["validation"]
     tau = cover.choose_tau(validation, args.select)["tau_draft"]  # the committed run's choice on val
-    fingerprint = json.loads(json.dumps(cover.chunk_fingerprint(args, cover.test_rows(args, tau))))  # tuples as lists
+    fingerprint = json.loads(json.dumps(cover.chunk_fingerprint(args, cover.table_rows(args, tau))))  # tuples as lists
     assert fingerprint == committed_fingerprint("cpu_cover")

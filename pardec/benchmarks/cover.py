@@ -102,7 +102,7 @@ def common_settings(args: argparse.Namespace) -> dict:
             **graphs_setting(args)}
 
 
-def test_rows(args: argparse.Namespace, tau: float) -> list[tuple[str, dict]]:
+def table_rows(args: argparse.Namespace, tau: float) -> list[tuple[str, dict]]:
     """(label, decoder config) of every test row, COVER's at the chosen ``tau``; the AR row with ``--base``."""
     common = common_settings(args)
     ar = [(AR_LABEL, {"name": "ar", "max_new_tokens": args.max_new_tokens, "batch_size": 1, **graphs_setting(args)})]
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     baseline_accuracy = max((r["accuracy"] for r in baselines_val), default=None)
     tau = choose_tau(tuning, args.select, baseline_accuracy)["tau_draft"]
 
-    rows = test_rows(args, tau)
+    rows = table_rows(args, tau)
     warmed = set()
 
     def run_chunk(problems) -> dict[str, list[dict]]:
