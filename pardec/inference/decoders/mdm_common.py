@@ -85,6 +85,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from pardec.common.config_fields import Choice, ranged
 from pardec.common.constants import METADATA_KEY
 from pardec.common.errors import CheckpointError, ConfigError
