@@ -27,6 +27,7 @@
 #   gpu_refusion_<gpu>). Runs after Jacobi Forcing: with both, a time limit stops ReFusion first.
 # DECODE_MODES (default "graphs eager") names the I-DLM, FlashDLM, COVER, Jacobi Forcing and ReFusion tables'
 # decoding modes, in that order ("graphs" alone saves the eager table's minutes in a short device session).
+# THREADS (default 8): the benchmarks' CPU threads (--threads; 2 for a --smoke run on a 2-core machine).
 # Decoding is fp32, so "lossless" is checked token for token without bf16 rounding. Tables go to
 # benchmarks/results/real/gpu_*_<gpu>, the training commands' wall times to gpu_conversions_<gpu>.json
 # (a conversion's entry once its tables are written, replacing the same run's from an earlier session: a
@@ -43,7 +44,8 @@ tag="" tiny_data=() tiny_steps=() tiny_stages=() problems=${PROBLEMS:-30} eval_n
 splits=${EVAL_SPLITS-val test} with_risd=${RISD:-1} with_idlm=${IDLM:-1} with_mdm=${MDM:-0} with_refusion=${REFUSION:-0}
 refusion_val=${REFUSION_VAL:-10} with_jacobi=${JACOBI:-0} jacobi_val=${JACOBI_VAL:-10}
 mdm_attention=${MDM_ATTENTION:-block} mdm_tables=${MDM_TABLES:-flashdlm cover} mdm_rows=${MDM_ROWS:-all}
-cover_val=${COVER_VAL:-10} decode_modes=${DECODE_MODES:-graphs eager}
+cover_val=${COVER_VAL:-10} decode_modes=${DECODE_MODES:-graphs eager} threads=${THREADS:-8}
+case $threads in ''|*[!0-9]*|0*) echo "THREADS must be a positive integer, got '$threads'" >&2; exit 2 ;; esac
 case $mdm_attention in
   block) mdm_experiment=smollm2_mdm_gpu mdm_suffix="" ;;
   block32) mdm_experiment=smollm2_mdm_block32_gpu mdm_suffix=_block32 ;;
@@ -113,7 +115,7 @@ if [ "$with_idlm" = 1 ]; then
   for mode in $decode_modes; do
     stamp "benchmark ($mode): AR greedy vs ISD N=4 (I-DLM)${risd_args:+ vs R-ISD}, $problems test problems"
     $py -m pardec.benchmarks.idlm_isd --base $sft/hf --idlm $idlm/stages/$last_stage/hf "${risd_args[@]}" \
-      --num-samples "$problems" --strides 4 --no-sample --device auto --dtype float32 --threads 8 \
+      --num-samples "$problems" --strides 4 --no-sample --device auto --dtype float32 --threads "$threads" \
       $([ $mode = graphs ] && echo "--cuda-graphs --no-bound") --out $out/gpu_idlm_isd_${mode}_$gpu$tag
   done
   write_walls smollm2_idlm_gpu$tag smollm2_risd_gpu$tag
@@ -127,7 +129,7 @@ if [ "$with_mdm" = 1 ]; then
         stamp "benchmark ($mode): AR greedy vs the MDM decoders (FlashDLM table, rows $mdm_rows), $problems test" \
           "problems"
         $py -m pardec.benchmarks.mdm_flashdlm --base $sft/hf --mdm $mdm/hf --num-samples "$problems" \
-          --rows "$mdm_rows" --device auto --dtype float32 --threads 8 $([ $mode = graphs ] && echo --cuda-graphs) \
+          --rows "$mdm_rows" --device auto --dtype float32 --threads "$threads" $([ $mode = graphs ] && echo --cuda-graphs) \
           --out $out/gpu_mdm_flashdlm${mdm_suffix}$([ $mode = graphs ] && echo _graphs)_$gpu$tag
       done
     else
@@ -135,7 +137,7 @@ if [ "$with_mdm" = 1 ]; then
         stamp "benchmark ($mode): AR greedy vs the COVER table, tau_draft on $cover_val val problems, $problems" \
           "test problems"
         $py -m pardec.benchmarks.cover --base $sft/hf --mdm $mdm/hf --num-samples "$problems" \
-          --num-validation "$cover_val" --device auto --dtype float32 --threads 8 \
+          --num-validation "$cover_val" --device auto --dtype float32 --threads "$threads" \
           $([ $mode = graphs ] && echo --cuda-graphs) \
           --out $out/gpu_cover${mdm_suffix}$([ $mode = graphs ] && echo _graphs)_$gpu$tag
       done
@@ -153,7 +155,7 @@ if [ "$with_jacobi" = 1 ]; then
     $py -m pardec.benchmarks.jacobi_forcing --base $sft/hf --round1 $jacobi/stages/00-round1/hf --wide-block-size 0 \
       --num-samples "$problems" --num-val "$jacobi_val" --val-block-sizes 4 8 16 --choose-multiblock-n \
       --no-training-table --no-bound \
-      --device auto --dtype float32 --threads 8 $([ $mode = graphs ] && echo --cuda-graphs) \
+      --device auto --dtype float32 --threads "$threads" $([ $mode = graphs ] && echo --cuda-graphs) \
       --out $out/gpu_jacobi_forcing_${mode}_$gpu$tag
   done
   write_walls smollm2_jacobi_forcing_gpu$tag
@@ -166,7 +168,7 @@ if [ "$with_refusion" = 1 ]; then
     $py -m pardec.benchmarks.refusion --base $sft/hf --refusion $refusion/hf --num-samples "$problems" \
       --num-val "$refusion_val" --block-sizes 16 --first-tokens mask --thresholds 0.9 0.7 0.5 --max-drop 0.03 \
       --test-chosen-only --ablations kv_reuse --no-own-ar --goal-drop 0.03 --goal-reuse 2 --max-new-tokens 96 \
-      --device auto --dtype float32 --threads 8 $([ $mode = graphs ] && echo --cuda-graphs) \
+      --device auto --dtype float32 --threads "$threads" $([ $mode = graphs ] && echo --cuda-graphs) \
       --out $out/gpu_refusion$([ $mode = graphs ] && echo _graphs)_$gpu$tag
   done
   write_walls smollm2_refusion_gpu$tag

@@ -180,7 +180,7 @@ def run_gpu_script(tmp_path: Path, failing_module: str = "", **env: str) -> subp
     """``scripts/real_model_gpu.sh`` copied into an empty checkout (no ``runs/``: a fresh clone, a bare device
     machine) and run with a stub interpreter: ``-m`` commands (training, benchmarks) only echo, and
     ``failing_module`` fails; every other call is the real interpreter."""
-    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts").mkdir(parents=True)
     script = tmp_path / "scripts" / "real_model_gpu.sh"
     script.write_text((Path(__file__).parents[1] / "scripts" / "real_model_gpu.sh").read_text())
     stub = tmp_path / "python_stub"
@@ -244,3 +244,16 @@ def test_gpu_script_runs_the_refusion_table_in_each_decode_mode(tmp_path):
     out = "--out benchmarks/results/real/gpu_refusion"
     assert "--cuda-graphs" in refusion[0] and refusion[0].endswith(f"{out}_graphs_cpu")
     assert "--cuda-graphs" not in refusion[1] and refusion[1].endswith(f"{out}_cpu")
+
+
+def test_gpu_script_passes_threads_to_every_benchmark(tmp_path):
+    """THREADS reaches every benchmark's --threads (all tables on); a value that is not a positive integer
+    stops the script at start, naming it."""
+    done = run_gpu_script(tmp_path / "all", IDLM="1", MDM="1", JACOBI="1", REFUSION="1", DECODE_MODES="graphs",
+                          THREADS="2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    benchmarks = [line for line in done.stdout.splitlines() if line.startswith("stub: -m pardec.benchmarks.")]
+    assert len(benchmarks) == 5
+    assert all(" --threads 2 " in line for line in benchmarks)
+    refused = run_gpu_script(tmp_path / "refused", THREADS="eight")
+    assert refused.returncode == 2 and "THREADS must be a positive integer, got 'eight'" in refused.stderr
