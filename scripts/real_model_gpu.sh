@@ -129,7 +129,8 @@ if [ "$with_mdm" = 1 ]; then
         stamp "benchmark ($mode): AR greedy vs the MDM decoders (FlashDLM table, rows $mdm_rows), $problems test" \
           "problems"
         $py -m pardec.benchmarks.mdm_flashdlm --base $sft/hf --mdm $mdm/hf --num-samples "$problems" \
-          --rows "$mdm_rows" --device auto --dtype float32 --threads "$threads" $([ $mode = graphs ] && echo --cuda-graphs) \
+          --rows "$mdm_rows" --device auto --dtype float32 --threads "$threads" \
+          $([ $mode = graphs ] && echo --cuda-graphs) \
           --out $out/gpu_mdm_flashdlm${mdm_suffix}$([ $mode = graphs ] && echo _graphs)_$gpu$tag
       done
     else
