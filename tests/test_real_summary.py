@@ -47,6 +47,18 @@ def test_measured_rows_missing_rows_and_wall_times(folders, tmp_path):
     assert (tmp_path / "out" / "summary.png").stat().st_size > 0
 
 
+def test_cpu_conversion_machines_are_named_below_the_table(folders):
+    assert real_summary.cpu_machines(folders) is None  # no entry names its machine
+    path = folders / "cpu_conversions.json"
+    entries = json.loads(path.read_text())
+    entries["smollm2_sft"] = {"wall_seconds": 800.0, "machine": "AMD EPYC (family 26, model 2), 2 cores"}
+    entries["smollm2_refusion"] = {"wall_seconds": 2700.0, "machine": "AMD EPYC (family 26, model 2), 2 cores"}
+    path.write_text(json.dumps(entries))
+    assert real_summary.cpu_machines(folders) == (
+        "CPU conversion wall times were measured on: not recorded: `smollm2_risd`; "
+        "AMD EPYC (family 26, model 2), 2 cores: `smollm2_sft`, `smollm2_refusion`.")
+
+
 def test_a_claim_below_100_percent_is_not_verified(folders, tmp_path):
     results = folders
     (results / "gpu_risd_h100.json").write_text(json.dumps([

@@ -122,8 +122,19 @@ def test_conversions_keep_their_wall_time_with_the_results(pipeline, monkeypatch
     assert set(times) == {"earlier", "conv"} and times["earlier"]["wall_seconds"] == 60.0
     assert times["conv"]["wall_seconds"] == json.loads((pipeline / state / "steps.json").read_text())[
         "conv"]["seconds"]
+    assert times["conv"]["machine"] == reproduce.machine_description()
     other = reproduce.CONVERSIONS if real else reproduce.REAL_CONVERSIONS
     assert not (pipeline / other).exists()
+
+
+def test_machine_description_names_the_cpu_model_family_and_cores(tmp_path, monkeypatch):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+                       "model name\t: AMD EPYC\n\nprocessor\t: 1\ncpu family\t: 99\nmodel name\t: other\n")
+    monkeypatch.setattr(reproduce.os, "cpu_count", lambda: 2)
+    assert reproduce.machine_description(cpuinfo) == "AMD EPYC (family 26, model 2), 2 cores"
+    monkeypatch.setattr(reproduce.platform, "processor", lambda: "arm")
+    assert reproduce.machine_description(tmp_path / "missing") == "arm, 2 cores"
 
 
 def test_progress_line_skips_python_warnings(tmp_path):

@@ -7,7 +7,8 @@ plus the hardware and the number of test problems), the CPU conversion wall time
 ``cpu_conversions.json`` the reproduce driver keeps there (``pardec.cli.reproduce --real``) and the GPU
 ones from the ``gpu_conversions_<gpu>.json`` the GPU runs left (``scripts/real_model_gpu.sh``). A row whose benchmark has not been run yet is listed
 below the table with the command that makes it, so the table grows as conversions land. Below it, once
-both val tables exist, the MDM attention (block-causal or bidirectional) chosen on val.
+both val tables exist, the MDM attention (block-causal or bidirectional) chosen on val, and the CPU each
+CPU conversion time was measured on.
 
 Writes ``summary.md``, ``summary.json`` and ``summary.png`` to ``--out-dir`` (default
 ``benchmarks/results/real``): accuracy against TPS / base AR for every decoder on both bases, the
@@ -192,6 +193,21 @@ MDM_ATTENTIONS = {"block": ("block-causal, blocks of 2", "smollm2_mdm"), "bidir"
 MDM_VAL_COMMAND = "python -m pardec.cli.reproduce --real --only smollm2_mdm_bidir cpu_mdm_val_block cpu_mdm_val_bidir"
 
 
+def cpu_machines(results_dir: Path) -> str | None:
+    """Which CPU each CPU conversion's wall time was measured on (the ``machine`` the reproduce driver
+    records; entries from before it did are "not recorded"): one line below the table, or None when the
+    file names no machine."""
+    path = results_dir / "cpu_conversions.json"
+    entries = json.loads(path.read_text()) if path.is_file() else {}
+    by_machine: dict[str, list[str]] = {}
+    for name, entry in entries.items():
+        by_machine.setdefault(entry.get("machine", "not recorded"), []).append(f"`{name}`")
+    if set(by_machine) <= {"not recorded"}:
+        return None
+    return "CPU conversion wall times were measured on: " + "; ".join(
+        f"{machine}: {', '.join(names)}" for machine, names in by_machine.items()) + "."
+
+
 def mdm_attention_choice(results_dir: Path) -> str | None:
     """The MDM attention chosen on val, or None before both val tables exist. Rule: the higher LLaDA
     baseline accuracy (``lowconf1``), then the higher Fast-dLLM accuracy (``threshold``), then
@@ -294,9 +310,9 @@ def main(argv: list[str] | None = None) -> None:
     if not table:
         raise SystemExit(f"no real-model results in {args.results_dir}: run `bash scripts/reproduce.sh --real`")
     md = markdown(table, missing)
-    choice = mdm_attention_choice(args.results_dir)
-    if choice:
-        md += "\n\n" + choice
+    for note in (cpu_machines(args.results_dir), mdm_attention_choice(args.results_dir)):
+        if note:
+            md += "\n\n" + note
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "summary.md").write_text(
         "Command: python -m pardec.benchmarks.real_summary (reads the real-model benchmarks' JSON in this folder, "
