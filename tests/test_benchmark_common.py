@@ -1,7 +1,10 @@
-"""pardec.benchmarks.common: which problems a split name selects."""
+"""pardec.benchmarks.common: which problems a split name selects, and what a written table records."""
+import json
+
 import pytest
 
-from pardec.benchmarks.common import held_out_rows, split_rows, validation_rows
+from pardec.benchmarks.common import MACHINES, held_out_rows, split_rows, validation_rows, write_results
+from pardec.common.run_records import machine_description
 
 
 def test_split_rows_selects_the_named_split():
@@ -33,3 +36,21 @@ def test_validate_eval_split_val_draws_the_validation_problems():
     cfg.eval_split = "train"
     with pytest.raises(DataError, match="data.eval_split"):
         load_raw_split(cfg, "eval")
+
+
+def test_written_tables_name_their_machine_beside_the_command(tmp_path):
+    """Every table's Markdown names the machine under its command, and ``machines.json`` beside the
+    tables keeps each table's machine by its stem (the real summary reads it: TPS compare only within
+    a machine)."""
+    import torch
+
+    write_results(tmp_path / "first", "python -m x --a 1", "| t |", [{"tps": 1.0}])
+    write_results(tmp_path / "second", "python -m y", "body", {"rows": []})
+    lines = (tmp_path / "first.md").read_text().splitlines()
+    assert lines[:3] == ["Command: python -m x --a 1",
+                         f"Machine: {machine_description()}, torch {torch.__version__}", ""]
+    assert json.loads((tmp_path / "first.json").read_text()) == [{"tps": 1.0}]
+    machines = json.loads((tmp_path / MACHINES).read_text())
+    assert set(machines) == {"first", "second"}
+    assert machines["first"]["cpu"] == machine_description() and machines["first"]["gpu"] is None
+    assert machines["first"]["torch"] == torch.__version__ and machines["first"]["written"]

@@ -47,16 +47,22 @@ def test_measured_rows_missing_rows_and_wall_times(folders, tmp_path):
     assert (tmp_path / "out" / "summary.png").stat().st_size > 0
 
 
-def test_cpu_conversion_machines_are_named_below_the_table(folders):
+def test_cpu_conversion_and_benchmark_machines_are_named_below_the_table(folders):
     assert real_summary.cpu_machines(folders) is None  # no entry names its machine
+    epyc = "AMD EPYC (family 26, model 2), 2 cores"
     path = folders / "cpu_conversions.json"
     entries = json.loads(path.read_text())
-    entries["smollm2_sft"] = {"wall_seconds": 800.0, "machine": "AMD EPYC (family 26, model 2), 2 cores"}
-    entries["smollm2_refusion"] = {"wall_seconds": 2700.0, "machine": "AMD EPYC (family 26, model 2), 2 cores"}
+    entries["smollm2_sft"] = {"wall_seconds": 800.0, "machine": epyc}
+    entries["smollm2_refusion"] = {"wall_seconds": 2700.0, "machine": epyc}
     path.write_text(json.dumps(entries))
+    (folders / "machines.json").write_text(json.dumps({  # a GPU table and an unknown table are not CPU rows
+        "cpu_refusion": {"cpu": epyc, "gpu": None}, "gpu_risd_h100": {"cpu": "Xeon, 64 cores", "gpu": "H100"},
+        "cpu_jacobi_forcing": {"cpu": "Xeon, 2 cores", "gpu": None}, "other": {"cpu": "Xeon, 2 cores"}}))
     assert real_summary.cpu_machines(folders) == (
         "CPU conversion wall times were measured on: not recorded: `smollm2_risd`; "
-        "AMD EPYC (family 26, model 2), 2 cores: `smollm2_sft`, `smollm2_refusion`.")
+        f"{epyc}: `smollm2_sft`, `smollm2_refusion`. CPU benchmarks (their TPS) were run on: "
+        "not recorded: `cpu_risd`, `cpu_idlm`, `cpu_mdm_flashdlm`, `cpu_cover`; "
+        f"Xeon, 2 cores: `cpu_jacobi_forcing`; {epyc}: `cpu_refusion`.")
 
 
 def test_a_claim_below_100_percent_is_not_verified(folders, tmp_path):

@@ -127,16 +127,6 @@ def test_conversions_keep_their_wall_time_with_the_results(pipeline, monkeypatch
     assert not (pipeline / other).exists()
 
 
-def test_machine_description_names_the_cpu_model_family_and_cores(tmp_path, monkeypatch):
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
-                       "model name\t: AMD EPYC\n\nprocessor\t: 1\ncpu family\t: 99\nmodel name\t: other\n")
-    monkeypatch.setattr(reproduce.os, "cpu_count", lambda: 2)
-    assert reproduce.machine_description(cpuinfo) == "AMD EPYC (family 26, model 2), 2 cores"
-    monkeypatch.setattr(reproduce.platform, "processor", lambda: "arm")
-    assert reproduce.machine_description(tmp_path / "missing") == "arm, 2 cores"
-
-
 def test_progress_line_skips_python_warnings(tmp_path):
     log = tmp_path / "step.log"
     warning = warnings.formatwarning("`past_key_values` is deprecated", FutureWarning, "/m/module.py", 1789,

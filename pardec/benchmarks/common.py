@@ -1,22 +1,28 @@
 """Pieces every decoding benchmark shares: the held-out problems, exact-identity scoring, and writing
-a table with the command that made it."""
+a table with the command and the machine that made it."""
 
 from __future__ import annotations
 
 import json
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import OmegaConf
 
+from pardec.common.run_records import machine_description, set_entry
 from pardec.data_pipelines.config import DataConfig
 from pardec.data_pipelines.sources import load_raw_split
 
 # Where the benchmarks save their tables by default: relative to the working directory, so a run
 # from the repository root updates the repository's current tables (``benchmarks/results/``).
 RESULTS = Path("benchmarks/results")
+# Beside the tables: which machine wrote each one (keyed by the table's file stem). TPS and wall times
+# compare only within one machine; ratios measured within one run stand on any.
+MACHINES = "machines.json"
 
 
 def held_out_rows(num_samples: int):
@@ -69,9 +75,22 @@ def invoked_command(module: str, argv: list[str] | None = None) -> str:
     return f"python -m {module} " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
 
 
+def current_machine() -> dict[str, str | None]:
+    """The CPU (:func:`pardec.common.run_records.machine_description`), the GPU when CUDA is available,
+    and torch's version."""
+    return {"cpu": machine_description(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "torch": torch.__version__}
+
+
 def write_results(out: str | Path, command: str, body: str, payload: Any) -> None:
-    """``<out>.md``: ``Command: <command>`` then ``body``; ``<out>.json``: ``payload``."""
+    """``<out>.md``: ``Command: <command>``, ``Machine: <GPU>, <CPU>, torch <version>``, then ``body``;
+    ``<out>.json``: ``payload``; and the machine with the time under ``<out>``'s stem in the
+    ``machines.json`` beside them (which ``pardec.benchmarks.real_summary`` reads)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(f"Command: {command}\n\n{body}\n")
+    machine = current_machine()
+    named = ", ".join(part for part in (machine["gpu"], machine["cpu"], f"torch {machine['torch']}") if part)
+    out.with_suffix(".md").write_text(f"Command: {command}\nMachine: {named}\n\n{body}\n")
     out.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
+    set_entry(out.parent / MACHINES, out.stem, {**machine, "written": time.strftime("%Y-%m-%d %H:%M:%S")})

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
@@ -116,8 +115,7 @@ def decoding_table(model, tokenizer, args, latency: list[dict]) -> list[dict]:
 def render(latency: list[dict], decoding: list[dict], args) -> str:
     fmt = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
     widths = args.widths
-    lines = [f"Machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-             f"fp32, KV cache of {args.cache} tokens.", "",
+    lines = [f"fp32, KV cache of {args.cache} tokens.", "",
              "Forward latency (ms, median of the timed forwards) against query tokens q, and t(q) / t(1):", "",
              "| threads | " + " | ".join(f"q={w}" for w in widths) + " |",
              "|---|" + "---|" * len(widths)]

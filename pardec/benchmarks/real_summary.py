@@ -5,10 +5,11 @@ Nothing is measured here: the rows are read from the JSON the real-model benchma
 ``benchmarks/results/real/`` (the same columns as the embedded summary, ``pardec.benchmarks.summary``,
 plus the hardware and the number of test problems), the CPU conversion wall times from the
 ``cpu_conversions.json`` the reproduce driver keeps there (``pardec.cli.reproduce --real``) and the GPU
-ones from the ``gpu_conversions_<gpu>.json`` the GPU runs left (``scripts/real_model_gpu.sh``). A row whose benchmark has not been run yet is listed
-below the table with the command that makes it, so the table grows as conversions land. Below it, once
-both val tables exist, the MDM attention (block-causal or bidirectional) chosen on val, and the CPU each
-CPU conversion time was measured on.
+ones from the ``gpu_conversions_<gpu>.json`` the GPU runs left (``scripts/real_model_gpu.sh``). A row whose
+benchmark has not been run yet is listed below the table with the command that makes it, so the table grows
+as conversions land. Below it, the CPU each CPU conversion time was measured on and each CPU benchmark run
+on (``machines.json``), and, once both val tables exist, the MDM attention (block-causal or bidirectional)
+chosen on val.
 
 Writes ``summary.md``, ``summary.json`` and ``summary.png`` to ``--out-dir`` (default
 ``benchmarks/results/real``): accuracy against TPS / base AR for every decoder on both bases, the
@@ -23,7 +24,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from pardec.benchmarks.common import RESULTS
+from pardec.benchmarks.common import MACHINES, RESULTS
 from pardec.benchmarks.summary import SOURCES, cover_chosen, lossless_status, minutes, refusion_chosen
 from pardec.benchmarks.summary import conversion_seconds as cpu_conversion_seconds
 
@@ -193,19 +194,29 @@ MDM_ATTENTIONS = {"block": ("block-causal, blocks of 2", "smollm2_mdm"), "bidir"
 MDM_VAL_COMMAND = "python -m pardec.cli.reproduce --real --only smollm2_mdm_bidir cpu_mdm_val_block cpu_mdm_val_bidir"
 
 
+def grouped_by_machine(machine_of: dict[str, str | None]) -> str:
+    """``{name: machine or None}`` -> "M1: `a`, `b`; not recorded: `c`" (machines in first-seen order)."""
+    names: dict[str, list[str]] = {}
+    for name, machine in machine_of.items():
+        names.setdefault(machine or "not recorded", []).append(f"`{name}`")
+    return "; ".join(f"{machine}: {', '.join(group)}" for machine, group in names.items())
+
+
 def cpu_machines(results_dir: Path) -> str | None:
     """Which CPU each CPU conversion's wall time was measured on (the ``machine`` the reproduce driver
-    records; entries from before it did are "not recorded"): one line below the table, or None when the
-    file names no machine."""
+    records in ``cpu_conversions.json``) and each CPU benchmark was run on (``machines.json``, written with
+    every table by ``pardec.benchmarks.common.write_results``); entries from before either did are "not
+    recorded". One line below the table, or None when neither file names a machine."""
     path = results_dir / "cpu_conversions.json"
-    entries = json.loads(path.read_text()) if path.is_file() else {}
-    by_machine: dict[str, list[str]] = {}
-    for name, entry in entries.items():
-        by_machine.setdefault(entry.get("machine", "not recorded"), []).append(f"`{name}`")
-    if set(by_machine) <= {"not recorded"}:
+    conversions = json.loads(path.read_text()) if path.is_file() else {}
+    path = results_dir / MACHINES
+    tables = json.loads(path.read_text()) if path.is_file() else {}
+    benchmarks = {row.source: tables.get(row.source, {}).get("cpu") for row in ROWS if row.hardware == CPU}
+    conversion_machines = {name: entry.get("machine") for name, entry in conversions.items()}
+    if not any(conversion_machines.values()) and not any(benchmarks.values()):
         return None
-    return "CPU conversion wall times were measured on: " + "; ".join(
-        f"{machine}: {', '.join(names)}" for machine, names in by_machine.items()) + "."
+    return (f"CPU conversion wall times were measured on: {grouped_by_machine(conversion_machines)}. "
+            f"CPU benchmarks (their TPS) were run on: {grouped_by_machine(benchmarks)}.")
 
 
 def mdm_attention_choice(results_dir: Path) -> str | None:
@@ -316,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "summary.md").write_text(
         "Command: python -m pardec.benchmarks.real_summary (reads the real-model benchmarks' JSON in this folder, "
-        "cpu_conversions.json and gpu_conversions_*.json; see the module docstring)\n\n" + md + "\n")
+        "cpu_conversions.json, gpu_conversions_*.json and machines.json; see the module docstring)\n\n" + md + "\n")
     (args.out_dir / "summary.json").write_text(json.dumps(table, indent=2) + "\n")
     embedded = json.loads(args.embedded.read_text()) if args.embedded.is_file() else []
     plot(embedded, table, args.out_dir / "summary.png")

@@ -29,13 +29,14 @@ import dataclasses
 import hashlib
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+from pardec.common.run_records import machine_description, set_entry
 
 STATE = Path("runs/reproduce")
 REAL_STATE = Path("runs/reproduce_real")
@@ -251,34 +252,10 @@ def step_times(state: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def set_entry(path: Path, name: str, entry: dict) -> None:
-    """Write ``entry`` under ``name`` in the JSON object at ``path`` (atomically), keeping the other names."""
-    entries = json.loads(path.read_text()) if path.is_file() else {}
-    entries[name] = entry
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(entries, indent=2) + "\n")
-    tmp.replace(path)
-
-
 def record(state: Path, name: str, seconds: float, finished: bool) -> None:
     """Wall seconds of a step over all its attempts; ``finished`` is the time it completed, or null."""
     set_entry(state / "steps.json", name, {"seconds": round(seconds, 1),
                                            "finished": time.strftime("%Y-%m-%d %H:%M:%S") if finished else None})
-
-
-def machine_description(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """The CPU a wall time was measured on, e.g. ``AMD EPYC (family 26, model 2), 2 cores``: machines of one
-    name differ in speed (the same conversion, step for step, ran 1.3x faster on one than on another)."""
-    fields: dict[str, str] = {}
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    name = fields.get("model name") or platform.processor() or platform.machine()
-    if "cpu family" in fields and "model" in fields:
-        name += f" (family {fields['cpu family']}, model {fields['model']})"
-    return f"{name}, {os.cpu_count()} cores"
 
 
 def save_conversion_time(path: Path, name: str, seconds: float) -> None:
