@@ -68,9 +68,43 @@ def test_a_stopped_run_keeps_finished_chunks_and_reports_progress(tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         run_in_chunks(problems(5), 2, tmp_path, {"k": 1}, stops_at_second_chunk,
-                      on_chunk=lambda records, done: seen.append((len(records["a"]), done)))
+                      on_chunk=lambda records, done, machine: seen.append((len(records["a"]), done)))
     assert seen == [(2, 2)]
     assert [p.name for p in tmp_path.iterdir()] == ["0000-0002.json"]  # no half-written chunk
+
+
+def test_a_pooled_table_names_the_machines_that_decoded_its_chunks(tmp_path, monkeypatch):
+    """Each chunk records the machine that decoded it; read back elsewhere, the table names the chunks'
+    machine, not the reader's; chunks of several machines (or from before chunks recorded one) are
+    named with the problems each decoded, and write_results puts that in the table and machines.json."""
+    import pardec.benchmarks.chunks as chunks
+    from pardec.benchmarks.common import MACHINES, write_results
+
+    first = {"cpu": "CPU A, 2 cores", "gpu": None, "torch": "2.0"}
+    monkeypatch.setattr(chunks, "current_machine", lambda: first)
+    seen = []
+    run_in_chunks(problems(6), 2, tmp_path, {"k": 1}, fake_rows, on_chunk=lambda r, done, m: seen.append(m))
+    assert seen == [first] * 3
+    assert json.loads((tmp_path / "0002-0004.json").read_text())["machine"] == first
+
+    monkeypatch.setattr(chunks, "current_machine", lambda: {"cpu": "CPU B, 8 cores", "gpu": "GPU G", "torch": "2.1"})
+    seen.clear()
+    run_in_chunks(problems(6), 2, tmp_path, {"k": 1}, fake_rows, on_chunk=lambda r, done, m: seen.append(m))
+    assert seen == [first] * 3  # every chunk read back: the reader's machine is not named
+
+    (tmp_path / "0002-0004.json").unlink()
+    saved = json.loads((tmp_path / "0004-0006.json").read_text())
+    del saved["machine"]  # as the chunks written before chunks recorded their machine
+    (tmp_path / "0004-0006.json").write_text(json.dumps(saved))
+    seen.clear()
+    run_in_chunks(problems(6), 2, tmp_path, {"k": 1}, fake_rows, on_chunk=lambda r, done, m: seen.append(m))
+    mixed = "CPU A, 2 cores, torch 2.0 (problems 0-2); GPU G, CPU B, 8 cores, torch 2.1 (problems 2-4); " \
+            "not recorded (problems 4-6)"
+    assert seen[-1] == {"cpu": mixed, "gpu": None, "torch": None}
+
+    write_results(tmp_path / "out" / "table", "cmd", "body", [], machine=seen[-1])
+    assert (tmp_path / "out" / "table.md").read_text().splitlines()[1] == f"Machine: {mixed}"
+    assert json.loads((tmp_path / "out" / MACHINES).read_text())["table"]["cpu"] == mixed
 
 
 def test_chunks_of_another_setting_or_broken_are_refused(tmp_path):

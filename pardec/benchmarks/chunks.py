@@ -17,6 +17,12 @@ files can be kept (``reproduce --real`` writes them under ``benchmarks/results/r
 is committed) and a later session, on a fresh machine that re-builds the checkpoints, goes on from
 them exactly when its re-built checkpoints are the same bytes (training is seeded and, on the same
 kind of CPU with the same threads and torch, deterministic); otherwise every chunk is refused.
+
+A chunk also records the machine that decoded it (``machine``: CPU, GPU, torch; not part of the
+fingerprint, so chunks of one setting pool across machines). The table then names the chunks'
+machines, not the machine that read them back: one machine when every chunk names the same, else each
+machine with the problems it decoded, "not recorded" for chunks written before chunks recorded it
+(:func:`pooled_machine`).
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ from typing import Any
 
 import torch
 
+from pardec.benchmarks.common import current_machine, machine_name
 from pardec.trainers.checkpoint import compute_checksums
 
 Records = dict[str, list[dict]]  # row key -> one record per problem (pardec.inference.evaluate's records)
+Machine = dict[str, str | None]  # pardec.benchmarks.common.current_machine(): cpu, gpu, torch
 
 
 def chunk_bounds(num_problems: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -51,43 +59,67 @@ def checkpoint_digest(path: str | Path) -> dict[str, str]:
 
 
 def run_in_chunks(problems, chunk_size: int, chunk_dir: str | Path, fingerprint: dict[str, Any],
-                  run_chunk: Callable[[Any], Records], on_chunk: Callable[[Records, int], None] | None = None,
+                  run_chunk: Callable[[Any], Records],
+                  on_chunk: Callable[[Records, int, Machine], None] | None = None,
                   checkpoints: Iterable[str | Path] = ()) -> Records:
     """Every row's records over ``problems`` (a ``datasets.Dataset``), decoded by ``run_chunk(subset)``
     one chunk at a time, chunks found in ``chunk_dir`` read instead of decoded; records keep their
-    problem index (``index``) across chunks. ``on_chunk(records so far, problems done)`` runs after
-    each chunk (decoded or read), e.g. to write the table so far. The fingerprint gains the torch
-    version and, for each of ``checkpoints``, :func:`checkpoint_digest`."""
+    problem index (``index``) across chunks. ``on_chunk(records so far, problems done, machine)`` runs
+    after each chunk (decoded or read), e.g. to write the table so far, ``machine`` being
+    :func:`pooled_machine` of the chunks so far. The fingerprint gains the torch version and, for each
+    of ``checkpoints``, :func:`checkpoint_digest`."""
     fingerprint = {**fingerprint, "torch": torch.__version__,
                    "checkpoint_sha256": {str(c): checkpoint_digest(c) for c in checkpoints}}
     chunk_dir = Path(chunk_dir)
     chunk_dir.mkdir(parents=True, exist_ok=True)
     pooled: Records = {}
+    machines: list[tuple[int, int, Machine | None]] = []
     for first, end in chunk_bounds(len(problems), chunk_size):
         path = chunk_dir / f"{first:04d}-{end:04d}.json"
         if path.exists():
-            rows = read_chunk(path, fingerprint)
+            rows, machine = read_chunk(path, fingerprint)
         else:
-            rows = run_chunk(problems.select(range(first, end)))
+            rows, machine = run_chunk(problems.select(range(first, end))), current_machine()
             for records in rows.values():
                 for r in records:
                     r["index"] += first  # evaluate numbers a subset's problems from 0
-            write_chunk(path, fingerprint, rows)
+            write_chunk(path, fingerprint, rows, machine)
         for key, records in rows.items():
             pooled.setdefault(key, []).extend(records)
+        machines.append((first, end, machine))
         if on_chunk is not None:
-            on_chunk(pooled, end)
+            on_chunk(pooled, end, pooled_machine(machines))
     return pooled
 
 
+def pooled_machine(machines: list[tuple[int, int, Machine | None]]) -> Machine:
+    """The machine of a table pooled from chunks, given each chunk's ``(first, end, machine or None)``:
+    that machine when every chunk recorded the same one; otherwise ``cpu`` names each machine
+    (:func:`pardec.benchmarks.common.machine_name`) with the problems it decoded, e.g. ``not recorded
+    (problems 0-60); AMD EPYC, 2 cores, torch 2.13.0 (problems 60-200)``, and ``gpu`` and ``torch``
+    are None (named in ``cpu`` already)."""
+    recorded = [machine for _, _, machine in machines]
+    if recorded and all(m is not None and m == recorded[0] for m in recorded):
+        return recorded[0]
+    spans: list[list] = []  # [name, first, end], neighbouring chunks of one machine merged
+    for first, end, machine in machines:
+        name = machine_name(machine) if machine else "not recorded"
+        if spans and spans[-1][0] == name and spans[-1][2] == first:
+            spans[-1][2] = end
+        else:
+            spans.append([name, first, end])
+    return {"cpu": "; ".join(f"{name} (problems {first}-{end})" for name, first, end in spans),
+            "gpu": None, "torch": None}
+
+
 def decode_all(problems, chunk_dir: str | Path | None, chunk_size: int, fingerprint: dict[str, Any],
-               run_chunk: Callable[[Any], Records], write_table: Callable[[Records, int], None],
+               run_chunk: Callable[[Any], Records], write_table: Callable[[Records, int, Machine], None],
                checkpoints: Iterable[str | Path] = ()) -> None:
     """A benchmark's decoding: every problem in one go when ``chunk_dir`` is None, else in chunks
     (:func:`run_in_chunks`, the chunks naming ``checkpoints`` by content); ``write_table(records,
-    problems done)`` after each."""
+    problems done, machine that decoded them)`` after each."""
     if chunk_dir is None:
-        write_table(run_chunk(problems), len(problems))
+        write_table(run_chunk(problems), len(problems), current_machine())
     else:
         run_in_chunks(problems, chunk_size, chunk_dir, fingerprint, run_chunk, on_chunk=write_table,
                       checkpoints=checkpoints)
@@ -101,7 +133,8 @@ def progress_note(chunk_dir: str | Path | None, chunk_size: int, done: int, tota
     return note
 
 
-def read_chunk(path: Path, fingerprint: dict[str, Any]) -> Records:
+def read_chunk(path: Path, fingerprint: dict[str, Any]) -> tuple[Records, Machine | None]:
+    """A chunk's records and the machine that decoded them (None in chunks from before they recorded it)."""
     try:
         saved = json.loads(path.read_text())
     except json.JSONDecodeError as err:
@@ -111,7 +144,7 @@ def read_chunk(path: Path, fingerprint: dict[str, Any]) -> Records:
         differences = fingerprint_differences(saved.get("fingerprint") or {}, current)
         raise ValueError(f"chunk file {path} was made by another setting ({differences}): use another "
                          f"--chunk-dir, or delete the chunks to start over")
-    return saved["rows"]
+    return saved["rows"], saved.get("machine")
 
 
 def fingerprint_differences(saved: dict[str, Any], current: dict[str, Any]) -> str:
@@ -133,8 +166,8 @@ def fingerprint_differences(saved: dict[str, Any], current: dict[str, Any]) -> s
     return "; ".join(out)
 
 
-def write_chunk(path: Path, fingerprint: dict[str, Any], rows: Records) -> None:
+def write_chunk(path: Path, fingerprint: dict[str, Any], rows: Records, machine: Machine) -> None:
     """Atomically: a stopped run leaves the chunk whole or absent, never half-written."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"fingerprint": fingerprint, "rows": rows}))
+    tmp.write_text(json.dumps({"fingerprint": fingerprint, "machine": machine, "rows": rows}))
     os.replace(tmp, path)

@@ -83,14 +83,22 @@ def current_machine() -> dict[str, str | None]:
             "torch": torch.__version__}
 
 
-def write_results(out: str | Path, command: str, body: str, payload: Any) -> None:
+def machine_name(machine: dict[str, str | None]) -> str:
+    """``<GPU>, <CPU>, torch <version>``, leaving out what is None."""
+    torch_version = f"torch {machine['torch']}" if machine.get("torch") else None
+    return ", ".join(part for part in (machine.get("gpu"), machine.get("cpu"), torch_version) if part)
+
+
+def write_results(out: str | Path, command: str, body: str, payload: Any,
+                  machine: dict[str, str | None] | None = None) -> None:
     """``<out>.md``: ``Command: <command>``, ``Machine: <GPU>, <CPU>, torch <version>``, then ``body``;
     ``<out>.json``: ``payload``; and the machine with the time under ``<out>``'s stem in the
-    ``machines.json`` beside them (which ``pardec.benchmarks.real_summary`` reads)."""
+    ``machines.json`` beside them (which ``pardec.benchmarks.real_summary`` reads). ``machine`` is the
+    one that measured the table, this process's (:func:`current_machine`) unless given: a table pooled
+    from saved chunks names the chunks' (``pardec.benchmarks.chunks.pooled_machine``)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    machine = current_machine()
-    named = ", ".join(part for part in (machine["gpu"], machine["cpu"], f"torch {machine['torch']}") if part)
-    out.with_suffix(".md").write_text(f"Command: {command}\nMachine: {named}\n\n{body}\n")
+    machine = machine or current_machine()
+    out.with_suffix(".md").write_text(f"Command: {command}\nMachine: {machine_name(machine)}\n\n{body}\n")
     out.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
     set_entry(out.parent / MACHINES, out.stem, {**machine, "written": time.strftime("%Y-%m-%d %H:%M:%S")})

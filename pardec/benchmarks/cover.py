@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
             records[label] = decode(which, which_tok, problems, decoder, args.template)
         return records
 
-    def write_table(records: dict[str, list[dict]], done: int) -> None:
+    def write_table(records: dict[str, list[dict]], done: int, machine: dict) -> None:
         table = [{"decoder": label, "config": {k: v for k, v in decoder.items() if k not in common},
                   **metrics_row(records[label], decoder, base[1] if label == AR_LABEL else tok, label == AR_LABEL)}
                  for label, decoder in rows]
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"tokens, batch 1, {args.dtype} on {args.device} ({args.threads} threads"
                       f"{', every forward a CUDA graph' if args.cuda_graphs else ''}), template "
                       f"{args.template}.\n\nValidation (COVER):\n\n{tune_md}\n\nTest:\n\n{md}",
-                      {"validation": tuning, "validation_baselines": baselines_val, "test": table})
+                      {"validation": tuning, "validation_baselines": baselines_val, "test": table}, machine=machine)
 
     decode_all(test, args.chunk_dir, args.chunk_size, chunk_fingerprint(args, rows), run_chunk, write_table,
                checkpoints=[args.mdm] + ([args.base] if args.base else []))

@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
             records[key] = sorted(result.records, key=lambda r: r["index"])
         return records
 
-    def write_table(records: dict[str, list[dict]], done: int) -> None:
+    def write_table(records: dict[str, list[dict]], done: int, machine: dict) -> None:
         ar_records = records.get("ar")
         table = [table_row(key, label, which, decoder, records[key], models[which][1], ar_records)
                  for key, label, which, decoder in selected]
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"{done} problems ({split}){progress}, generation length {args.gen_length}, "
                       f"block {args.block_size}, batch 1, {args.dtype} on {args.device} ({args.threads} threads"
                       f"{', every decode step a CUDA graph' if args.cuda_graphs else ''}), "
-                      f"template {args.template}.\n\n{md}", table)
+                      f"template {args.template}.\n\n{md}", table, machine=machine)
 
     decode_all(eval_rows, args.chunk_dir, args.chunk_size, chunk_fingerprint(args, selected), run_chunk, write_table,
                checkpoints=[args.base, args.mdm])
