@@ -106,6 +106,16 @@ def test_a_pooled_table_names_the_machines_that_decoded_its_chunks(tmp_path, mon
     assert (tmp_path / "out" / "table.md").read_text().splitlines()[1] == f"Machine: {mixed}"
     assert json.loads((tmp_path / "out" / MACHINES).read_text())["table"]["cpu"] == mixed
 
+    for path in tmp_path.glob("*.json"):  # every chunk from before chunks recorded their machine
+        saved = json.loads(path.read_text())
+        saved.pop("machine", None)
+        path.write_text(json.dumps(saved))
+    seen.clear()
+    run_in_chunks(problems(6), 2, tmp_path, {"k": 1}, fake_rows, on_chunk=lambda r, done, m: seen.append(m))
+    assert seen[-1] == {"cpu": None, "gpu": None, "torch": None}  # the summary's "not recorded"
+    write_results(tmp_path / "out" / "old", "cmd", "body", [], machine=seen[-1])
+    assert (tmp_path / "out" / "old.md").read_text().splitlines()[1] == "Machine: not recorded"
+
 
 def test_chunks_of_another_setting_or_broken_are_refused(tmp_path):
     run_in_chunks(problems(2), 1, tmp_path, {"rows": ("a", 1)}, fake_rows)

@@ -97,10 +97,10 @@ def pooled_machine(machines: list[tuple[int, int, Machine | None]]) -> Machine:
     that machine when every chunk recorded the same one; otherwise ``cpu`` names each machine
     (:func:`pardec.benchmarks.common.machine_name`) with the problems it decoded, e.g. ``not recorded
     (problems 0-60); AMD EPYC, 2 cores, torch 2.13.0 (problems 60-200)``, and ``gpu`` and ``torch``
-    are None (named in ``cpu`` already)."""
+    are None (named in ``cpu`` already). All three are None when no chunk recorded its machine."""
     recorded = [machine for _, _, machine in machines]
-    if recorded and all(m is not None and m == recorded[0] for m in recorded):
-        return recorded[0]
+    if recorded and all(m == recorded[0] for m in recorded):
+        return recorded[0] or {"cpu": None, "gpu": None, "torch": None}  # all recorded alike, or none recorded
     spans: list[list] = []  # [name, first, end], neighbouring chunks of one machine merged
     for first, end, machine in machines:
         name = machine_name(machine) if machine else "not recorded"

@@ -84,9 +84,9 @@ def current_machine() -> dict[str, str | None]:
 
 
 def machine_name(machine: dict[str, str | None]) -> str:
-    """``<GPU>, <CPU>, torch <version>``, leaving out what is None."""
+    """``<GPU>, <CPU>, torch <version>``, leaving out what is None; "not recorded" when all are."""
     torch_version = f"torch {machine['torch']}" if machine.get("torch") else None
-    return ", ".join(part for part in (machine.get("gpu"), machine.get("cpu"), torch_version) if part)
+    return ", ".join(part for part in (machine.get("gpu"), machine.get("cpu"), torch_version) if part) or "not recorded"
 
 
 def write_results(out: str | Path, command: str, body: str, payload: Any,
