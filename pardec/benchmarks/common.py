@@ -98,7 +98,7 @@ def write_results(out: str | Path, command: str, body: str, payload: Any,
     from saved chunks names the chunks' (``pardec.benchmarks.chunks.pooled_machine``)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    machine = machine or current_machine()
+    machine = current_machine() if machine is None else machine
     out.with_suffix(".md").write_text(f"Command: {command}\nMachine: {machine_name(machine)}\n\n{body}\n")
     out.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
     set_entry(out.parent / MACHINES, out.stem, {**machine, "written": time.strftime("%Y-%m-%d %H:%M:%S")})
