@@ -211,6 +211,30 @@ def test_cover_in_chunks_with_base_equals_one_run(tmp_path):
     assert pooled[0]["identical_to_base_ar"] == 1.0 and "= base AR greedy" in (tmp_path / "c.md").read_text()
 
 
+def test_cover_names_its_validation_machine_apart_from_the_chunks_machine(tmp_path, monkeypatch):
+    """COVER's validation sweep runs in the process that writes the table, its test rows may come from
+    chunks decoded elsewhere: the Machine line names the chunks' machine, the validation section (and
+    ``validation_machine`` in the JSON) this process's."""
+    import pardec.benchmarks.chunks as chunks
+    from pardec.benchmarks.common import current_machine, machine_name
+    from pardec.benchmarks.cover import main
+
+    elsewhere = {"cpu": "CPU E, 64 cores", "gpu": None, "torch": "2.0"}
+    mdm = chat_mdm_export(tmp_path / "mdm")
+    args = ["--mdm", str(mdm), "--num-samples", "2", "--num-validation", "1", "--max-new-tokens", "8",
+            "--block-size", "4", "--taus", "0.9", "--template", "chat", "--threads", "1",
+            "--chunk-dir", str(tmp_path / "chunks"), "--chunk-size", "1", "--out", str(tmp_path / "c")]
+    monkeypatch.setattr(chunks, "current_machine", lambda: elsewhere)
+    main(args)  # the chunks, decoded "elsewhere"
+    monkeypatch.undo()
+    main(args)  # read back here: only the validation sweep is decoded
+    here = current_machine()
+    lines = (tmp_path / "c.md").read_text().splitlines()
+    assert lines[1] == f"Machine: {machine_name(elsewhere)}"
+    assert f"Validation (COVER; decoded by the run that wrote this table, on {machine_name(here)}):" in lines
+    assert json.loads((tmp_path / "c.json").read_text())["validation_machine"] == here
+
+
 # -- the committed real-model chunks --------------------------------------------------------------
 
 

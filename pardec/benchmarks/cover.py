@@ -17,7 +17,9 @@ validation problems are the generator's ``val`` split (disjoint from train and t
 the run). ``--chunk-dir DIR``: the test rows decoded ``--chunk-size`` problems at a time, every row
 on each chunk in turn, each chunk saved in DIR and skipped when the same command runs again (the
 validation sweep runs first each time); the table, of the problems done so far, is rewritten after
-every chunk (``pardec.benchmarks.chunks``). ``--cuda-graphs``: every row (validation included) decodes
+every chunk (``pardec.benchmarks.chunks``); the ``Machine:`` line names the machine(s) that decoded the
+chunks, and the validation section (decoded by the process that writes the table) names its own, also
+under ``validation_machine`` in the JSON. ``--cuda-graphs``: every row (validation included) decodes
 with ``cuda_graphs=true`` (the MDM decoders' static steps, COVER's static override forwards; on a GPU
 each captured as CUDA graphs before a problem is timed).
 
@@ -36,8 +38,8 @@ import json
 import torch
 
 from pardec.benchmarks.chunks import decode_all, progress_note
-from pardec.benchmarks.common import (RESULTS, held_out_rows, identical, invoked_command, validation_rows,
-                                      write_results)
+from pardec.benchmarks.common import (RESULTS, current_machine, held_out_rows, identical, invoked_command,
+                                      machine_name, validation_rows, write_results)
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.mdm_common import default_block_size, mdm_info
 from pardec.inference.decoders.registry import build_decoder
@@ -192,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
             print("validation", json.dumps(baselines_val[-1]), flush=True)
     baseline_accuracy = max((r["accuracy"] for r in baselines_val), default=None)
     tau = choose_tau(tuning, args.select, baseline_accuracy)["tau_draft"]
+    validation_machine = current_machine()  # the test rows' may differ: chunks decoded elsewhere
 
     rows = table_rows(args, tau)
     warmed = set()
@@ -219,8 +222,8 @@ def main(argv: list[str] | None = None) -> None:
                                         if AR_LABEL in records else None)
         md = table_md(table)
         tune_md = "\n".join(["| tau_draft | accuracy | steps/sample | eff. revision ratio |", "|---|---|---|---|"] + [
-            f"| {r['tau_draft']} | {r['accuracy']:.1%} | {r['steps_per_sample']:.2f} | {r['effective_revision_ratio']:.1%} |"
-            for r in tuning])
+            f"| {r['tau_draft']} | {r['accuracy']:.1%} | {r['steps_per_sample']:.2f} | "
+            f"{r['effective_revision_ratio']:.1%} |" for r in tuning])
         if baselines_val:
             tune_md += "\n\nRevocable baselines on validation (the bar for --select baselines):\n\n" + "\n".join(
                 ["| decoder | accuracy | steps/sample |", "|---|---|---|"]
@@ -233,8 +236,10 @@ def main(argv: list[str] | None = None) -> None:
                       f"problems of the generator's val split. Block {args.block_size}, {args.max_new_tokens} new "
                       f"tokens, batch 1, {args.dtype} on {args.device} ({args.threads} threads"
                       f"{', every forward a CUDA graph' if args.cuda_graphs else ''}), template "
-                      f"{args.template}.\n\nValidation (COVER):\n\n{tune_md}\n\nTest:\n\n{md}",
-                      {"validation": tuning, "validation_baselines": baselines_val, "test": table}, machine=machine)
+                      f"{args.template}.\n\nValidation (COVER; decoded by the run that wrote this table, on "
+                      f"{machine_name(validation_machine)}):\n\n{tune_md}\n\nTest:\n\n{md}",
+                      {"validation": tuning, "validation_baselines": baselines_val,
+                       "validation_machine": validation_machine, "test": table}, machine=machine)
 
     decode_all(test, args.chunk_dir, args.chunk_size, chunk_fingerprint(args, rows), run_chunk, write_table,
                checkpoints=[args.mdm] + ([args.base] if args.base else []))
