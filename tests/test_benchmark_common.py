@@ -54,3 +54,21 @@ def test_written_tables_name_their_machine_beside_the_command(tmp_path):
     assert set(machines) == {"first", "second"}
     assert machines["first"]["cpu"] == machine_description() and machines["first"]["gpu"] is None
     assert machines["first"]["torch"] == torch.__version__ and machines["first"]["written"]
+
+
+def test_gpu_decoding_tables_name_their_machine_and_the_device_they_ran_on(tmp_path):
+    """The GPU decoding benchmark's tables (which can also run with ``--device cpu``) carry the same
+    ``Machine:`` line and ``machines.json`` entry as every other table, with the decoding device above
+    the table."""
+    import torch
+
+    from pardec.benchmarks.gpu_decoding import write
+
+    write(tmp_path / "gpu_decoding_graphs", "python -m pardec.benchmarks.gpu_decoding --tables graphs", "CPU",
+          "| step |", [{"step": "eager", "ms_per_token": 2.0}])
+    lines = (tmp_path / "gpu_decoding_graphs.md").read_text().splitlines()
+    assert lines[:5] == ["Command: python -m pardec.benchmarks.gpu_decoding --tables graphs",
+                         f"Machine: {machine_description()}, torch {torch.__version__}", "",
+                         "Ran on: CPU, bf16, batch 1.", ""]
+    assert json.loads((tmp_path / "gpu_decoding_graphs.json").read_text())["device"] == "CPU"
+    assert set(json.loads((tmp_path / MACHINES).read_text())) == {"gpu_decoding_graphs"}

@@ -213,7 +213,7 @@ def main() -> None:
 
     def save(new_rows: list[dict]) -> None:
         done = rows + new_rows
-        write_results(args.out, command, f"Device: {device}, torch {torch.__version__}.\n\n{markdown(done)}",
+        write_results(args.out, command, markdown(done),
                       {"device": device, "torch": torch.__version__, "command": command, "rows": done})
 
     for recipe in args.recipes:

@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from pardec.benchmarks.common import RESULTS, held_out_rows, identical
+from pardec.benchmarks.common import RESULTS, held_out_rows, identical, write_results
 from pardec.benchmarks.mask_backends import VOCAB, gpu_busy_ms, qwen25_05b_shape
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.base import synchronize
@@ -384,10 +384,9 @@ def graphs_table(args) -> list[dict]:
 
 
 def write(path: Path, command: str, device: str, md: str, payload) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".md").write_text(f"Command: {command}\nDevice: {device}, torch {torch.__version__}, bf16, "
-                                       f"batch 1.\n\n{md}\n")
-    path.with_suffix(".json").write_text(json.dumps({"device": device, "rows": payload}, indent=2))
+    """One table through :func:`pardec.benchmarks.common.write_results` (its ``Machine:`` line and
+    ``machines.json`` entry), with the device the decoders ran on (``--device``) above it."""
+    write_results(path, command, f"Ran on: {device}, bf16, batch 1.\n\n{md}", {"device": device, "rows": payload})
 
 
 def main() -> None:

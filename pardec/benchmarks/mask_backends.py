@@ -36,7 +36,7 @@ from pardec.data_pipelines.idlm_batch import build_idlm_batch
 from pardec.data_pipelines.jacobi_batch import build_jacobi_batch
 from pardec.methods.base import forward_logits, move_batch
 from pardec.models import flex_attention
-from pardec.benchmarks.common import RESULTS
+from pardec.benchmarks.common import RESULTS, current_machine, machine_name, write_results
 
 VOCAB = 32_000
 MASK_ID = VOCAB - 1
@@ -131,7 +131,7 @@ def profile_steps(model, batch, label: str, length: int, backends: list[str], ou
     text = "\n\n".join(sections)
     print(text, flush=True)
     out.with_name(out.name + "_profile.txt").write_text(
-        f"Command: {command}\nDevice: {torch.cuda.get_device_name()}\n\n"
+        f"Command: {command}\nMachine: {machine_name(current_machine())}\n\n"
         + text + "\n")
 
 
@@ -232,12 +232,9 @@ def main() -> None:
             print(json.dumps(result), flush=True)
             # written after every row: a run cut short keeps what it measured
             md = markdown(rows, args.backends)
-            out.with_suffix(".md").write_text(
-                f"Command: {command}\nDevice: {device}, torch {torch.__version__}, bf16, random Qwen2.5-0.5B-shaped "
-                f"model, batch 1 row.{flex_note}\n\n{md}\n")
-            out.with_suffix(".json").write_text(
-                json.dumps({"device": device, "torch": torch.__version__, "command": command, "flex_choice": choice,
-                            "rows": rows}, indent=2))
+            write_results(out, command, f"bf16, random Qwen2.5-0.5B-shaped model, batch 1 row.{flex_note}\n\n{md}",
+                          {"device": device, "torch": torch.__version__, "command": command, "flex_choice": choice,
+                           "rows": rows})
     print(md)
     from torch._dynamo.utils import counters
 
