@@ -134,7 +134,8 @@ REAL_STEPS: tuple[Step, ...] = (
     # Sized for the 2-core CPU, where the LLaDA baseline, WINO, Saber and COVER run one full-sequence forward
     # (about 0.5 s) per step. The FlashDLM table on all 200 test problems, in chunks of 10 (every row on each
     # chunk in turn; a stopped run goes on from its last finished chunk): AR, the baseline, Fast-dLLM, FreeCache
-    # (refresh), FreeCache + guided (assisted, strict) and guided shifted, about 45 s per problem (2.5 h); the
+    # (refresh), FreeCache + guided (assisted, strict) and guided shifted, 30-45 s per problem (1.7-2.5 h, by the
+    # CPU: docs/results/real_cpu.md); the
     # other rows (two tokens per step, freeze-at-last-step, relaxed) are in the GPU and embedded tables. The
     # COVER table likewise, with the base's AR greedy row (TPS / base AR), tau_draft on 5 val problems (3 min,
     # again at each restart), about 75 s per problem (4 h). The chunks are committed (benchmarks/results/real/
