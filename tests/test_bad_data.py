@@ -28,9 +28,9 @@ from pardec.methods.ar import ARConfig, ARMethod
 from pardec.methods.idlm import IDLMConfig, IDLMMethod
 from pardec.methods.jacobi_forcing import JacobiForcingConfig, JacobiForcingMethod
 from pardec.models.loading import check_max_positions, load_model, load_tokenizer
+from pardec.trainers.config import ModelConfig
 from tests.conftest import data_cfg, save_checkpoint, synthetic_tokenizer, tiny_model, tiny_tokenizer
 from tests.train_utils import compose_train, run_in_process
-from pardec.trainers.config import ModelConfig
 
 torch.set_num_threads(1)
 

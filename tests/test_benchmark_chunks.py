@@ -14,8 +14,8 @@ import pytest
 from pardec.benchmarks import cover, mdm_flashdlm
 from pardec.benchmarks.chunks import chunk_bounds, run_in_chunks
 from pardec.cli.reproduce import REAL, REAL_STEPS
-from tests.test_mdm_benchmarks_real_flags import chat_mdm_export
 from tests.conftest import save_chat_checkpoint
+from tests.test_mdm_benchmarks_real_flags import chat_mdm_export
 
 
 def problems(n: int) -> datasets.Dataset:

@@ -7,8 +7,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError
 
 from pardec.common.errors import ConfigError
-from tests.train_utils import RECIPES, compose_train
 from pardec.trainers.deepspeed_config import build_deepspeed_config
+from tests.train_utils import RECIPES, compose_train
 
 EXPERIMENTS = sorted(p.stem for p in (RECIPES / "experiment").glob("*.yaml"))
 RECIPE_NAMES = sorted(p.stem for p in (RECIPES / "recipe").glob("*.yaml"))

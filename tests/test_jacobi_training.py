@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from pardec.cli.collect_trajectories import collect
 from pardec.common.constants import IGNORE_INDEX
 from pardec.common.errors import ConfigError, DataError
 from pardec.data_pipelines.jacobi_batch import build_jacobi_batch
@@ -20,7 +21,6 @@ from pardec.data_pipelines.tokenize import format_prompt_ids
 from pardec.inference.decoders.registry import build_decoder
 from pardec.losses.jacobi import jacobi_forcing_loss
 from pardec.methods.base import forward_logits, move_batch
-from pardec.cli.collect_trajectories import collect
 from tests.conftest import tiny_model
 from tests.train_utils import FAST, compose_train, run_in_process
 

@@ -29,7 +29,9 @@ def mdm(attention: str, block: int | None):
 
 def loop_mask(attention: str, block: int | None, p_len: int, total: int) -> torch.Tensor:
     """Additive [1, 1, n, n] mask from a loop over (q, kv): all pairs, or block(kv) <= block(q)."""
-    block_of = lambda i: 0 if i < p_len else 1 + (i - p_len) // block
+    def block_of(i: int) -> int:
+        return 0 if i < p_len else 1 + (i - p_len) // block
+
     allowed = torch.tensor([[attention == "bidirectional" or block_of(kv) <= block_of(q) for kv in range(total)]
                             for q in range(total)])
     return torch.zeros(total, total).masked_fill(~allowed, float("-inf"))[None, None]

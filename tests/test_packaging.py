@@ -12,12 +12,12 @@ import os
 import subprocess
 import sys
 import sysconfig
-import tomllib
 import venv
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 

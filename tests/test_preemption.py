@@ -7,9 +7,9 @@ import sys
 
 import torch
 
-from tests.train_utils import FAST, REPO, child_env, exported_weights, run_in_process
 from pardec.trainers import trainer
 from pardec.trainers.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER, STOP_FILE
+from tests.train_utils import FAST, REPO, child_env, exported_weights, run_in_process
 
 STAGES = "recipe.stages=[{name: a, max_steps: 2}, {name: b, max_steps: 4}]"
 

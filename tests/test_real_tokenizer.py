@@ -13,11 +13,15 @@ import pytest
 import torch
 
 from pardec.common.constants import MASK_TOKEN
+from pardec.common.errors import DataError
 from pardec.common.metadata import CheckpointMetadata
 from pardec.data_pipelines.sources import load_raw_split
-from pardec.common.errors import DataError
 from pardec.data_pipelines.tokenize import (
-    end_of_turn_token_id, format_prompt_ids, resolve_template, stop_token_ids, tokenize_dataset,
+    end_of_turn_token_id,
+    format_prompt_ids,
+    resolve_template,
+    stop_token_ids,
+    tokenize_dataset,
 )
 from pardec.inference.evaluate import evaluate
 from pardec.methods.registry import _RECIPES, build_method

@@ -61,7 +61,6 @@ def brute_force_batch(samples, seeds, slot_sizes, masking, pack, in_order_prob=0
 
             for a in sorted(range(n_answer), key=order):
                 masked = (a // k) in layout.masked
-                same_slot_next = a + 1 < n_answer and (a + 1) // k == a // k
                 r["input_ids"].append(MASK_ID if masked else ids[p + a])
                 r["position_ids"].append(p + a)
                 r["labels_arm"].append(-100)

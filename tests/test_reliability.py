@@ -21,11 +21,11 @@ import torch
 from hydra.errors import MissingConfigException
 
 from pardec.common.errors import CheckpointError, ConfigError, DataError
-from tests.train_utils import FAST, compose_train, exported_weights, run_in_process
 from pardec.trainers import checkpoint as ckpt
 from pardec.trainers.config import resume_changes
 from pardec.trainers.deepspeed_config import build_deepspeed_config
 from pardec.trainers.run_lock import RunLock
+from tests.train_utils import FAST, compose_train, exported_weights, run_in_process
 
 
 class Killed(BaseException):

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.train_utils import FAST, REPO, exported_weights
 from pardec.trainers.preemption import PREEMPTED_MARKER, STOP_FILE
+from tests.train_utils import FAST, REPO, exported_weights
 
 pytestmark = pytest.mark.slurm
 

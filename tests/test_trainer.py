@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pardec.common.errors import CheckpointError, ConfigError
-from tests.train_utils import exported_weights, run_in_process
 from pardec.trainers.preemption import PREEMPTED_MARKER, STOP_FILE
+from tests.train_utils import exported_weights, run_in_process
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -38,7 +38,7 @@ def test_resume_is_exact(tmp_path):
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
     # the resumed run logged steps 1-2 then 3-4: the data position continued, not restarted
-    assert [json.loads(l)["step"] for l in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert [json.loads(line)["step"] for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
 
 
 def test_export_reloads_in_plain_transformers(tmp_path):

@@ -25,6 +25,11 @@ RESULTS = Path("benchmarks/results")
 MACHINES = "machines.json"
 
 
+def or_dash(value: Any, spec: str, suffix: str = "") -> str:
+    """A table cell: ``value`` formatted by ``spec`` (then ``suffix``), or a dash where there is none."""
+    return "—" if value is None else format(value, spec) + suffix
+
+
 def held_out_rows(num_samples: int):
     """The first ``num_samples`` problems of the embedded default's test split."""
     data_cfg = OmegaConf.structured(DataConfig)

@@ -38,8 +38,17 @@ import json
 import torch
 
 from pardec.benchmarks.chunks import decode_all, progress_note
-from pardec.benchmarks.common import (RESULTS, current_machine, held_out_rows, identical, invoked_command,
-                                      machine_name, validation_rows, write_results)
+from pardec.benchmarks.common import (
+    RESULTS,
+    current_machine,
+    held_out_rows,
+    identical,
+    invoked_command,
+    machine_name,
+    or_dash,
+    validation_rows,
+    write_results,
+)
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.mdm_common import default_block_size, mdm_info
 from pardec.inference.decoders.registry import build_decoder
@@ -149,9 +158,6 @@ def run(model, tok, rows, decoder: dict, warmup, template: str = "auto") -> dict
 
 
 def table_md(table: list[dict]) -> str:
-    def fmt(v, spec):
-        return "—" if v is None else format(v, spec)
-
     with_ar = any(r.get("tps_vs_base_ar") is not None for r in table)
     header = ("| decoder | accuracy |" + (" = base AR greedy |" if with_ar else "")
               + " steps/sample | TPF | TPS | TPS / baseline |" + (" TPS / base AR |" if with_ar else "")
@@ -159,12 +165,12 @@ def table_md(table: list[dict]) -> str:
     lines = [header, "|---" * (9 + 2 * with_ar) + "|"]
     for r in table:
         ratio = r["effective_revision_ratio"] if r["revisions_per_sample"] else None  # 0/0: no revisions
-        same = f" {fmt(r.get('identical_to_base_ar'), '.1%')} |" if with_ar else ""
-        ar = f" {fmt(r.get('tps_vs_base_ar'), '.2f')}{'x' if r.get('tps_vs_base_ar') is not None else ''} |" \
+        same = f" {or_dash(r.get('identical_to_base_ar'), '.1%')} |" if with_ar else ""
+        ar = f" {or_dash(r.get('tps_vs_base_ar'), '.2f')}{'x' if r.get('tps_vs_base_ar') is not None else ''} |" \
             if with_ar else ""
         lines.append(f"| {r['decoder']} | {r['accuracy']:.1%} |{same} {r['steps_per_sample']:.2f} | {r['tpf']:.2f} | "
-                     f"{r['tps']:.1f} | {r['tps_ratio']:.2f}x |{ar} {fmt(r['revisions_per_sample'], '.2f')} | "
-                     f"{fmt(r['flip_flops_per_sample'], '.2f')} | {fmt(ratio, '.1%')} |")
+                     f"{r['tps']:.1f} | {r['tps_ratio']:.2f}x |{ar} {or_dash(r['revisions_per_sample'], '.2f')} | "
+                     f"{or_dash(r['flip_flops_per_sample'], '.2f')} | {or_dash(ratio, '.1%')} |")
     return "\n".join(lines)
 
 

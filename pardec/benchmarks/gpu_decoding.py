@@ -56,9 +56,9 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from pardec.benchmarks.common import RESULTS, held_out_rows, identical, write_results
 from pardec.benchmarks.mask_backends import VOCAB, gpu_busy_ms, qwen25_05b_shape
+from pardec.common.kv_cache import crop_cache
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.base import synchronize
-from pardec.common.kv_cache import crop_cache
 from pardec.inference.decoders.isd import StepMasks, resolve_stride
 from pardec.inference.decoders.jacobi import resolve_block_size
 from pardec.inference.evaluate import evaluate

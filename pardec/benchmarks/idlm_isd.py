@@ -39,14 +39,21 @@ import json
 
 import torch
 
-from pardec.benchmarks.common import (RESULTS, fastest_lossless, identical, invoked_command, split_rows, validation_rows,
-                                      write_results)
+from pardec.benchmarks.common import (
+    RESULTS,
+    fastest_lossless,
+    identical,
+    invoked_command,
+    or_dash,
+    split_rows,
+    validation_rows,
+    write_results,
+)
 from pardec.benchmarks.real_model_speed import forward_latencies
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.isd import introspective_ratios, resolve_stride
 from pardec.inference.evaluate import encode_prompt, evaluate
 from pardec.models.loading import mask_token_id
-
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -130,12 +137,11 @@ def choose_stride(val_table: list[dict]) -> tuple[int, str]:
 def markdown(table: list[dict]) -> str:
     header = ("| decoder | accuracy | = base AR greedy | = own AR greedy | TPF | TPS | TPS / AR | alpha | TPF formula "
               "| bound TPF·t(1)/t(2N-1) | share of bound |\n|---|---|---|---|---|---|---|---|---|---|---|")
-    fmt = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
     return "\n".join([header] + [
         f"| {r['decoder']} | {r['accuracy']:.1%} | {r['identical_to_base']:.1%} | {r['identical_to_own_ar']:.1%} | "
         f"{r['tpf']:.2f} | {r['tps']:.1f} | "
-        f"{r['tps_ratio']:.2f}x | {fmt(r['alpha'], '.3f')} | {fmt(r['tpf_formula'], '.2f')} | "
-        f"{fmt(r['bound'], '.2f')} | {fmt(r['share_of_bound'], '.0%')} |"
+        f"{r['tps_ratio']:.2f}x | {or_dash(r['alpha'], '.3f')} | {or_dash(r['tpf_formula'], '.2f')} | "
+        f"{or_dash(r['bound'], '.2f')} | {or_dash(r['share_of_bound'], '.0%')} |"
         for r in table
     ])
 

@@ -27,7 +27,12 @@ from omegaconf import OmegaConf
 from pardec.benchmarks.common import RESULTS, invoked_command, write_results
 from pardec.common.kv_cache import cached_step_attention
 from pardec.data_pipelines.config import DataConfig
-from pardec.data_pipelines.jacobi_trajectories import CollectSettings, collect_batch, collect_trajectories, load_trajectories
+from pardec.data_pipelines.jacobi_trajectories import (
+    CollectSettings,
+    collect_batch,
+    collect_trajectories,
+    load_trajectories,
+)
 from pardec.data_pipelines.sources import load_raw_split
 from pardec.data_pipelines.tokenize import format_prompt_ids, stop_token_ids
 from pardec.inference.checkpoint import load_checkpoint

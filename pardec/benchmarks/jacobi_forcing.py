@@ -76,8 +76,16 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from pardec.benchmarks.common import (RESULTS, fastest_lossless, identical, invoked_command, split_rows, validation_rows,
-                                      write_results)
+from pardec.benchmarks.common import (
+    RESULTS,
+    fastest_lossless,
+    identical,
+    invoked_command,
+    or_dash,
+    split_rows,
+    validation_rows,
+    write_results,
+)
 from pardec.benchmarks.real_model_speed import forward_latencies
 from pardec.common.errors import ConfigError
 from pardec.data_pipelines.config import DataConfig
@@ -383,14 +391,13 @@ def efficiency_table(args, model, tok) -> dict:
 
 
 def markdown(table: list[dict], bound: bool) -> list[str]:
-    fmt = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
     lines = ["| decoder | accuracy | = own AR greedy | = base AR greedy | TPF | TPS | TPS / base AR |"
              + (" bound TPF·t(1)/t(n) | share of bound |" if bound else ""),
              "|---|---|---|---|---|---|---|" + ("---|---|" if bound else "")]
     return lines + [
-        f"| {r['decoder']} | {fmt(r['accuracy'], '.1%')} | {r['identical_to_own_ar']:.1%} | "
+        f"| {r['decoder']} | {or_dash(r['accuracy'], '.1%')} | {r['identical_to_own_ar']:.1%} | "
         f"{r['identical_to_base']:.1%} | {r['tpf']:.2f} | {r['tps']:.1f} | {r['tps_ratio']:.2f}x |"
-        + (f" {fmt(r['bound'], '.2f')} | {fmt(r['share_of_bound'], '.0%')} |" if bound else "")
+        + (f" {or_dash(r['bound'], '.2f')} | {or_dash(r['share_of_bound'], '.0%')} |" if bound else "")
         for r in table
     ]
 

@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from pardec.benchmarks.common import RESULTS, current_machine, machine_name, write_results
 from pardec.data_pipelines.idlm_batch import build_idlm_batch
 from pardec.data_pipelines.jacobi_batch import build_jacobi_batch
 from pardec.methods.base import forward_logits, move_batch
 from pardec.models import flex_attention
-from pardec.benchmarks.common import RESULTS, current_machine, machine_name, write_results
 
 VOCAB = 32_000
 MASK_ID = VOCAB - 1

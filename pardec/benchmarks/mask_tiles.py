@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
+from pardec.benchmarks.common import RESULTS
 from pardec.benchmarks.mask_backends import idlm_batch, jacobi_batch
 from pardec.masks.core import causal
-from pardec.benchmarks.common import RESULTS
 
 TILE = 128
 

@@ -32,13 +32,12 @@ import argparse
 import torch
 
 from pardec.benchmarks.chunks import decode_all, progress_note
-from pardec.benchmarks.common import RESULTS, identical, invoked_command, split_rows, write_results
+from pardec.benchmarks.common import RESULTS, identical, invoked_command, or_dash, split_rows, write_results
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.mdm_common import default_block_size, mdm_info
 from pardec.inference.decoders.registry import build_decoder
 from pardec.inference.evaluate import evaluate
 from pardec.inference.metrics import compute_metrics
-
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -112,15 +111,14 @@ def table_row(key: str, label: str, which: str, decoder: dict, recs: list[dict],
 
 
 def table_md(table: list[dict]) -> str:
-    fmt = lambda v, spec: "—" if v is None else format(v, spec)
     header = ("| decoder | accuracy | = base AR greedy | TPF | TPF (DLM) | DLM fwd / sample | guide fwd / sample | "
               "guide acceptance | TPS | TPS / MDM baseline | TPS / base AR |\n|---|---|---|---|---|---|---|---|---|---|---|")
     return "\n".join([header] + [
-        f"| {r['decoder']} | {r['accuracy']:.1%} | {fmt(r['identical_to_base_ar'], '.1%')} | {r['tpf']:.2f} | "
-        f"{fmt(r['tpf_dlm'], '.2f')} | "
-        f"{fmt(r['dlm_forwards_per_sample'], '.1f')} | "
-        f"{fmt(r['guide_forwards_per_sample'], '.1f')} | {fmt(r['guide_acceptance'], '.2f')} | {r['tps']:.1f} | {fmt(r['tps_vs_mdm_baseline'], '.2f')}x | "
-        f"{fmt(r['tps_vs_base_ar'], '.2f')}x |"
+        f"| {r['decoder']} | {r['accuracy']:.1%} | {or_dash(r['identical_to_base_ar'], '.1%')} | {r['tpf']:.2f} | "
+        f"{or_dash(r['tpf_dlm'], '.2f')} | "
+        f"{or_dash(r['dlm_forwards_per_sample'], '.1f')} | "
+        f"{or_dash(r['guide_forwards_per_sample'], '.1f')} | {or_dash(r['guide_acceptance'], '.2f')} | {r['tps']:.1f} | {or_dash(r['tps_vs_mdm_baseline'], '.2f')}x | "
+        f"{or_dash(r['tps_vs_base_ar'], '.2f')}x |"
         for r in table
     ])
 

@@ -23,14 +23,13 @@ import argparse
 
 import torch
 
-from pardec.benchmarks.common import RESULTS, invoked_command, split_rows, write_results
+from pardec.benchmarks.common import RESULTS, invoked_command, or_dash, split_rows, write_results
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.mdm_common import mdm_info
 from pardec.inference.decoders.mdm_guided import check_guide_tokenizer
 from pardec.masks.core import additive_mask
 from pardec.masks.mdm import answer_block_ids, mdm_mask
 from pardec.models.bidirectional import non_causal
-
 
 
 def parse_args() -> argparse.Namespace:
@@ -107,11 +106,10 @@ def main() -> None:
         {"model": f"MDM ({args.mdm}), {mdm_info(mdm).attention}, {args.gen_length} answer positions",
          **score(rows, tok, lambda p, a: mdm_guesses(mdm, p, a, args.gen_length))},
     ]
-    fmt = lambda v: "—" if v is None else f"{v:.1%}"
     lines = ["| model | tokens | next-token accuracy | on digits | on other tokens | problems all right |",
              "|---|---|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['tokens']} | {fmt(r['accuracy_all'])} | {fmt(r['accuracy_digits'])} | "
-              f"{fmt(r['accuracy_other'])} | {fmt(r['all_correct'])} |" for r in table]
+    lines += [f"| {r['model']} | {r['tokens']} | {or_dash(r['accuracy_all'], '.1%')} | {or_dash(r['accuracy_digits'], '.1%')} | "
+              f"{or_dash(r['accuracy_other'], '.1%')} | {or_dash(r['all_correct'], '.1%')} |" for r in table]
     md = "\n".join(lines)
     print(md)
     write_results(args.out, invoked_command("pardec.benchmarks.mdm_teacher_forced"),

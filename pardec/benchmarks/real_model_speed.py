@@ -27,7 +27,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from pardec.benchmarks.common import RESULTS, held_out_rows, identical, invoked_command, write_results
+from pardec.benchmarks.common import RESULTS, held_out_rows, identical, invoked_command, or_dash, write_results
 from pardec.common.kv_cache import crop_cache
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.evaluate import evaluate
@@ -113,7 +113,6 @@ def decoding_table(model, tokenizer, args, latency: list[dict]) -> list[dict]:
 
 
 def render(latency: list[dict], decoding: list[dict], args) -> str:
-    fmt = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
     widths = args.widths
     lines = [f"fp32, KV cache of {args.cache} tokens.", "",
              "Forward latency (ms, median of the timed forwards) against query tokens q, and t(q) / t(1):", "",
@@ -126,8 +125,8 @@ def render(latency: list[dict], decoding: list[dict], args) -> str:
               "", "| decoder | accuracy | flexible accuracy | = AR greedy | TPF | TPS | TPS / AR | bound TPF·t(1)/t(n) "
               "| share of bound | new tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['decoder']} | {r['accuracy']:.1%} | {r['accuracy_flexible']:.1%} | {r['identical_to_ar']:.1%} | "
-              f"{r['tpf']:.3f} | {r['tps']:.1f} | {r['tps_ratio']:.2f}x | {fmt(r['bound'], '.2f')} | "
-              f"{fmt(r['share_of_bound'], '.0%')} | {r['mean_new_tokens']:.1f} |" for r in decoding]
+              f"{r['tpf']:.3f} | {r['tps']:.1f} | {r['tps_ratio']:.2f}x | {or_dash(r['bound'], '.2f')} | "
+              f"{or_dash(r['share_of_bound'], '.0%')} | {r['mean_new_tokens']:.1f} |" for r in decoding]
     return "\n".join(lines)
 
 

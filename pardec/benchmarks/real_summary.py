@@ -24,7 +24,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from pardec.benchmarks.common import MACHINES, RESULTS
+from pardec.benchmarks.common import MACHINES, RESULTS, or_dash
 from pardec.benchmarks.summary import SOURCES, cover_chosen, lossless_status, minutes, refusion_chosen
 from pardec.benchmarks.summary import conversion_seconds as cpu_conversion_seconds
 
@@ -243,16 +243,13 @@ def mdm_attention_choice(results_dir: Path) -> str | None:
 
 
 def markdown(table: list[dict], missing: list[RealRow]) -> str:
-    def fmt(value, spec: str, suffix: str = "") -> str:
-        return "—" if value is None else format(value, spec) + suffix
-
     lines = ["| method | checkpoint | decoder | hardware | test problems | accuracy | = base AR | TPF | TPS / base AR | "
              "lossless | conversion wall time |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table:
         base = " (the base's fine-tuning)" if r["method"] == "AR" else ""
         lines.append(f"| {r['method']} | {r['checkpoint']} | {r['decoder']} | {r['hardware']} | "
-                     f"{fmt(r['num_problems'], 'd')} | {r['accuracy']:.1%} | "
-                     f"{fmt(r['identical_to_base'], '.1%')} | {r['tpf']:.2f} | {fmt(r['tps_ratio'], '.2f', 'x')} | "
+                     f"{or_dash(r['num_problems'], 'd')} | {r['accuracy']:.1%} | "
+                     f"{or_dash(r['identical_to_base'], '.1%')} | {r['tpf']:.2f} | {or_dash(r['tps_ratio'], '.2f', 'x')} | "
                      f"{r['lossless']} | {minutes(r['conversion_seconds'])}{base} |")
     if missing:
         lines += ["", "Not measured yet:"]

@@ -38,11 +38,18 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import torch
 
-from pardec.benchmarks.common import RESULTS, held_out_rows, identical, invoked_command, validation_rows, write_results
+from pardec.benchmarks.common import (
+    RESULTS,
+    held_out_rows,
+    identical,
+    invoked_command,
+    or_dash,
+    validation_rows,
+    write_results,
+)
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.refusion import resolve_slot_size
 from pardec.inference.evaluate import evaluate
@@ -152,15 +159,14 @@ def choose_setting(val_table: list[dict], max_drop: float) -> tuple[dict, str]:
 
 
 def markdown(table: list[dict]) -> str:
-    fmt = lambda v, spec: "—" if v is None else format(v, spec)
     lines = ["| decoder | accuracy | = base AR greedy | = own AR greedy | TPF | NFE / sample | TPS | TPS / base AR "
              "| slots / step |",
              "|---|---|---|---|---|---|---|---|---|"]
     lines += [
         f"| {r['decoder']} | {r['accuracy']:.1%} | {r['identical_to_base']:.1%} | "
-        f"{fmt(r['identical_to_own_ar'], '.1%')} | "
+        f"{or_dash(r['identical_to_own_ar'], '.1%')} | "
         f"{r['tpf']:.2f} | "
-        f"{r['nfe_per_sample']:.1f} | {r['tps']:.1f} | {r['tps_ratio']:.2f}x | {fmt(r['slots_per_step'], '.2f')} |"
+        f"{r['nfe_per_sample']:.1f} | {r['tps']:.1f} | {r['tps_ratio']:.2f}x | {or_dash(r['slots_per_step'], '.2f')} |"
         for r in table
     ]
     return "\n".join(lines)

@@ -27,12 +27,11 @@ from collections.abc import Sequence
 
 import torch
 
-from pardec.benchmarks.common import RESULTS, invoked_command, split_rows, write_results
+from pardec.benchmarks.common import RESULTS, invoked_command, or_dash, split_rows, write_results
 from pardec.benchmarks.mdm_teacher_forced import ar_guesses, prompt_and_answer
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.refusion import resolve_slot_size
 from pardec.models.loading import mask_token_id
-
 
 
 def parse_args() -> argparse.Namespace:
@@ -99,15 +98,12 @@ def main() -> None:
     table.append({"model": f"ReFusion ({args.refusion}), its plan at slot starts", "accuracy_slot_start":
                   plan_row["accuracy_slot_start"], "tokens_slot_start": plan_row["tokens_slot_start"],
                   "accuracy_in_slot": None, "tokens_in_slot": 0, "all_correct": plan_row["all_correct"]})
-    def fmt(v: float | None) -> str:
-        return "—" if v is None else f"{v:.2%}"
-
     def cell(row: dict, key: str) -> str:
-        return f"{fmt(row[f'accuracy_{key}'])} of {row[f'tokens_{key}']}" if row[f"tokens_{key}"] else "—"
+        return f"{or_dash(row[f'accuracy_{key}'], '.2%')} of {row[f'tokens_{key}']}" if row[f"tokens_{key}"] else "—"
 
     lines = [f"| model (true prefix) | slot starts (k = {k}) | in-slot positions | problems all right |",
              "|---|---|---|---|"]
-    lines += [f"| {r['model']} | {cell(r, 'slot_start')} | {cell(r, 'in_slot')} | {fmt(r['all_correct'])} |"
+    lines += [f"| {r['model']} | {cell(r, 'slot_start')} | {cell(r, 'in_slot')} | {or_dash(r['all_correct'], '.2%')} |"
               for r in table]
     md = "\n".join(lines) + ("\n\nThe plan row's last column counts problems whose every slot start the plan gets "
                              "right (in-slot tokens come from the AR head when the decoder verifies or completes).")

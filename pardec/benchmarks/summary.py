@@ -32,7 +32,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from pardec.benchmarks.common import RESULTS
+from pardec.benchmarks.common import RESULTS, or_dash
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,15 +181,12 @@ def minutes(seconds: float | None) -> str:
 
 
 def markdown(table: list[dict]) -> str:
-    def fmt(value, spec: str, suffix: str = "") -> str:
-        return "—" if value is None else format(value, spec) + suffix
-
     lines = ["| method | checkpoint | decoder | accuracy | = base AR | TPF | TPS / base AR | lossless | "
              "conversion wall time |", "|---|---|---|---|---|---|---|---|---|"]
     for r in table:
         wall = minutes(r["conversion_seconds"]) + (" (the base itself)" if r["conversion"] == "default_base" else "")
         lines.append(f"| {r['method']} | {r['checkpoint']} | {r['decoder']} | {r['accuracy']:.1%} | "
-                     f"{fmt(r['identical_to_base'], '.1%')} | {r['tpf']:.2f} | {fmt(r['tps_ratio'], '.2f', 'x')} | "
+                     f"{or_dash(r['identical_to_base'], '.1%')} | {r['tpf']:.2f} | {or_dash(r['tps_ratio'], '.2f', 'x')} | "
                      f"{r['lossless']} | {wall} |")
     return "\n".join(lines)
 

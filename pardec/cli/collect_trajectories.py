@@ -28,14 +28,20 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from pardec.cli.train import _quiet_non_main_ranks
 from pardec.common.distributed import barrier, init_distributed, main_rank_first
 from pardec.common.errors import ConfigError
 from pardec.data_pipelines.jacobi_trajectories import collect_trajectories, load_trajectories
 from pardec.data_pipelines.sources import load_raw_split
 from pardec.data_pipelines.tokenize import tokenize_dataset
 from pardec.methods.registry import build_method
-from pardec.models.loading import check_max_positions, load_model, load_tokenizer, resolve_attn_implementation, resolve_dtype
-from pardec.cli.train import _quiet_non_main_ranks
+from pardec.models.loading import (
+    check_max_positions,
+    load_model,
+    load_tokenizer,
+    resolve_attn_implementation,
+    resolve_dtype,
+)
 from pardec.trainers.config import register_schema, validate_train_config
 
 register_schema()

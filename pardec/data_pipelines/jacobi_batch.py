@@ -59,7 +59,6 @@ from pardec.masks.core import AttentionSpec
 from pardec.masks.jacobi import CLEAN, NOISY, PROMPT, jacobi_nc_ic_mask, jacobi_nc_mask
 
 
-
 class JacobiMask(Choice):
     """nc (noise-conditioned) | nc_ic (intra-window clean context)."""
 

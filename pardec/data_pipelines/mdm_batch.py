@@ -71,7 +71,6 @@ from pardec.masks.idlm import X0, XT
 from pardec.masks.mdm import BIDIRECTIONAL, BLOCK, answer_block_ids, bidirectional_mask, block_causal_mask
 
 
-
 class Weighting(Choice):
     """linear (weight 1/t) | cart (Dream's context-adaptive weight)."""
 

@@ -59,7 +59,6 @@ from pardec.data_pipelines.packing import PAD_SEGMENT, checked_sample, greedy_pa
 from pardec.masks.refusion import refusion_spec
 
 
-
 class Masking(Choice):
     """count (exactly max(1, floor(t K)) slots, the paper) | bernoulli (per slot with p = t, the official code)."""
 

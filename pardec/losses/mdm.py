@@ -26,7 +26,6 @@ from pardec.common.config_fields import Choice
 from pardec.common.constants import IGNORE_INDEX
 
 
-
 class Normalization(Choice):
     """batch (sum / answer tokens of the micro-batch) | sample (per-sample mean, then / B)."""
 

@@ -26,7 +26,6 @@ from pardec.common.constants import IGNORE_INDEX
 from pardec.losses.cross_entropy import token_mean_cross_entropy
 
 
-
 class MDMNorm(Choice):
     """mean (token mean over masked tokens) | llada (the official sum CE / p_mask / answer_len / B)."""
 

@@ -46,7 +46,12 @@ from pardec.common.distributed import barrier
 from pardec.common.errors import ConfigError, DataError
 from pardec.data_pipelines.jacobi_batch import JacobiLayout, JacobiMask, build_jacobi_batch, sample_length
 from pardec.data_pipelines.jacobi_noise import NoiseSchedule, WindowPhase, select_noisy_blocks
-from pardec.data_pipelines.jacobi_trajectories import CollectSettings, collect_trajectories, load_trajectories, read_meta
+from pardec.data_pipelines.jacobi_trajectories import (
+    CollectSettings,
+    collect_trajectories,
+    load_trajectories,
+    read_meta,
+)
 from pardec.data_pipelines.tokenize import stop_token_ids
 from pardec.losses.jacobi import jacobi_forcing_loss
 from pardec.methods.base import Method, forward_logits

@@ -42,7 +42,6 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flex_attent
 
 from pardec.common.attention import COMPILED_FLEX_BACKEND
 
-
 # The kernel choice torch.compile's max-autotune picked for head size 64 in bf16 on an H200 (a Jacobi
 # Forcing streams row of 16k tokens, benchmarks/results/flex_kernels_autotune.md): forward tiles of
 # 64 x 64, backward 32 x 64 / 64 x 32, 3 stages and 4 warps in both.

@@ -25,8 +25,8 @@ from safetensors import safe_open
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from pardec.common.attention import COMPILED_FLEX_BACKEND, FLEX_BACKENDS
-from pardec.common.constants import MASK_TOKEN, METADATA_KEY
 from pardec.common.config_fields import Choice
+from pardec.common.constants import MASK_TOKEN, METADATA_KEY
 from pardec.common.errors import CheckpointError, ConfigError
 from pardec.common.metadata import CheckpointMetadata
 from pardec.models import flex_attention

@@ -56,7 +56,8 @@ from pardec.trainers.data_order import DataOrder
 from pardec.trainers.deepspeed_config import build_deepspeed_config
 from pardec.trainers.export import export_hf
 from pardec.trainers.extension_builds import guarded_extension_builds
-from pardec.trainers.fingerprint import KEY as FINGERPRINT, check_fingerprint, run_fingerprint, tokenizer_fingerprint
+from pardec.trainers.fingerprint import KEY as FINGERPRINT
+from pardec.trainers.fingerprint import check_fingerprint, run_fingerprint, tokenizer_fingerprint
 from pardec.trainers.metrics_logger import MetricsLogger
 from pardec.trainers.preemption import PREEMPTED_MARKER, PreemptionWatch
 from pardec.trainers.run_lock import RunLock

@@ -21,8 +21,8 @@ import torch
 
 from pardec.common.config_fields import ranged
 from pardec.common.errors import ConfigError
-from pardec.common.metadata import AR, MASKED_AR
 from pardec.common.kv_cache import left_pad
+from pardec.common.metadata import AR, MASKED_AR
 from pardec.inference.decoders.base import Decoder, DecoderConfig, DecodeResult, LoopTimer, model_device, prefill
 from pardec.inference.decoders.decode_steps import StepsPool, causal_block
 from pardec.inference.decoders.sampling import SamplingParams, make_generators, select_tokens

@@ -96,7 +96,6 @@ from pardec.masks.idlm import X0, XT, idlm_mask
 from pardec.models.loading import mask_token_id
 
 
-
 class DraftMode(Choice):
     """sample: drafts sampled from q (exact); argmax: "fast" argmax drafts, breaks the guarantee."""
 

@@ -63,7 +63,6 @@ from pardec.inference.decoders.base import DecoderConfig, DecodeResult, LoopTime
 from pardec.inference.decoders.decode_steps import StepsPool, causal_block
 
 
-
 class DraftInit(Choice):
     """context: uniform draws from prompt + committed tokens; repeat: repeat the preceding token."""
 

@@ -91,7 +91,12 @@ from pardec.common.constants import METADATA_KEY
 from pardec.common.errors import CheckpointError, ConfigError
 from pardec.common.metadata import MDM_BIDIRECTIONAL, MDM_BLOCK, CheckpointMetadata, model_where
 from pardec.inference.decoders.base import (
-    DecodeResult, DecoderConfig, LoopTimer, PerSampleDecoder, forbid_mask, model_device,
+    DecoderConfig,
+    DecodeResult,
+    LoopTimer,
+    PerSampleDecoder,
+    forbid_mask,
+    model_device,
 )
 from pardec.inference.decoders.decode_steps import SMALL, DynamicSteps, StaticSteps, StepsPool
 from pardec.masks.core import additive_mask, require_dense_attention

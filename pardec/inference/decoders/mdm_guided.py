@@ -52,7 +52,6 @@ from pardec.inference.decoders.decode_steps import SMALL, DynamicSteps, StaticSt
 from pardec.inference.decoders.mdm_common import BlockRun, MDMDecoder, MDMDecoderConfig
 
 
-
 class Commit(Choice):
     assisted = "assisted"
     shifted = "shifted"

@@ -93,14 +93,18 @@ from pardec.common.config_fields import Choice, ranged
 from pardec.common.errors import ConfigError
 from pardec.common.metadata import MASKED_AR, CheckpointMetadata
 from pardec.inference.decoders.base import (
-    DecoderConfig, DecodeResult, LoopTimer, PerSampleDecoder, forbid_mask, model_device,
+    DecoderConfig,
+    DecodeResult,
+    LoopTimer,
+    PerSampleDecoder,
+    forbid_mask,
+    model_device,
 )
 from pardec.inference.decoders.decode_steps import SMALL, DynamicSteps, StaticSteps, StepsPool
 from pardec.inference.decoders.sampling import SamplingMode, SamplingParams, probs_from_logits
 from pardec.masks.core import additive_mask, require_dense_attention
 from pardec.masks.refusion import SHARED, refusion_decode_mask
 from pardec.models.loading import mask_token_id
-
 
 
 class PlanScope(Choice):
