@@ -126,7 +126,8 @@ def chat_bpe_tokenizer(vocab_size: int = 400) -> PreTrainedTokenizerFast:
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHAT_SPECIAL,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator([r["prompt"] + r["response"] for r in rows] + ["system user assistant helpful"], trainer)
+    backend.train_from_iterator([r["prompt"] + r["response"] for r in rows] + ["system user assistant helpful"],
+                                trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", bos_token="<|im_start|>")
     tok.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
     tok.chat_template = CHATML_TEMPLATE

@@ -79,7 +79,8 @@ def test_ranges_are_checked_in_every_part_of_the_training_config(override, key):
 
 
 def test_a_stage_override_outside_the_range_names_the_stage_and_key():
-    with pytest.raises(ConfigError, match=r"recipe\.stages\[0\] \('a'\): config key 'recipe\.stride' = 1; expected >= 2"):
+    with pytest.raises(ConfigError,
+                       match=r"recipe\.stages\[0\] \('a'\): config key 'recipe\.stride' = 1; expected >= 2"):
         compose_train(["recipe=idlm", "recipe.stages=[{name: a, max_steps: 2, overrides: {stride: 1}}]"])
 
 

@@ -173,7 +173,8 @@ def test_missing_column_is_named(tmp_path):
     f.write_text(json.dumps({"question": "a", "answer": "b"}) + "\n")
     with pytest.raises(DataError, match="'prompt'.*data.prompt_field"):
         load_raw_split(data_cfg(source="files", train_files=[str(f)]), "train")
-    ds = load_raw_split(data_cfg(source="files", train_files=[str(f)], prompt_field="question", response_field="answer"), "train")
+    ds = load_raw_split(data_cfg(source="files", train_files=[str(f)], prompt_field="question",
+                                 response_field="answer"), "train")
     assert ds[0]["prompt"] == "a" and ds[0]["response"] == "b"
 
 

@@ -278,9 +278,11 @@ def test_graph_replays_equal_eager_static_steps_and_isd_equals_ar_on_cuda():
             assert got.tokens == ar_greedy(model, prompt, 40), (stride, prompt)
     for block_size in (3, 8):
         for prompt in PROMPTS:
-            got = jacobi(block_size=block_size, max_new_tokens=40, cuda_graphs=True).decode_one(model, prompt, NO_EOS, 0)
+            got = jacobi(block_size=block_size, max_new_tokens=40,
+                         cuda_graphs=True).decode_one(model, prompt, NO_EOS, 0)
             assert got.tokens == ar_greedy(model, prompt, 40), (block_size, prompt)
             multiblock = build_decoder({"name": "multiblock", "block_size": block_size, "max_new_tokens": 40,
                                         "cuda_graphs": True}, None)
             assert multiblock.decode_one(model, prompt, NO_EOS, 0).tokens == ar_greedy(model, prompt, 40)
-    assert all(step.graph is not None for step in StepsPool._static[model]._steps.values())  # prepared widths are captured
+    assert all(step.graph is not None
+               for step in StepsPool._static[model]._steps.values())  # prepared widths are captured

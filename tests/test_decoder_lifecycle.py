@@ -180,8 +180,10 @@ def test_jacobi_block_size_defaults_to_the_recorded_one():
         decoder.decode(model, [prompt], {0}, [0])
     CheckpointMetadata(recipe="jacobi_forcing", jacobi_block_size=5).write_to(model)
     recorded = decoder.decode(model, [prompt], {0}, [0])[0]
-    explicit = JacobiDecoder(JacobiDecoderConfig(max_new_tokens=12, block_size=5), tok).decode(model, [prompt], {0}, [0])[0]
-    other = JacobiDecoder(JacobiDecoderConfig(max_new_tokens=12, block_size=2), tok).decode(model, [prompt], {0}, [0])[0]
+    explicit = JacobiDecoder(JacobiDecoderConfig(max_new_tokens=12, block_size=5),
+                             tok).decode(model, [prompt], {0}, [0])[0]
+    other = JacobiDecoder(JacobiDecoderConfig(max_new_tokens=12, block_size=2),
+                          tok).decode(model, [prompt], {0}, [0])[0]
     assert recorded.tokens == explicit.tokens and recorded.forwards == explicit.forwards
     assert recorded.stats["blocks"] != other.stats["blocks"]
 
@@ -211,8 +213,9 @@ def test_metadata_record_round_trips_and_rejects_bad_values(tmp_path):
 def _mdm_export(tok, attention: str = "bidirectional"):
     """A tiny model recording what a recipe=mdm export records (bidirectional attention, shift, <|mask|>)."""
     model = tiny_model(len(tok))
-    CheckpointMetadata(recipe="mdm", attention=attention, logit_shift=True, attention_block_size=2 if attention == "block"
-                       else None, mask_token_id=tok.convert_tokens_to_ids("<|mask|>")).write_to(model)
+    CheckpointMetadata(recipe="mdm", attention=attention, logit_shift=True,
+                       attention_block_size=2 if attention == "block" else None,
+                       mask_token_id=tok.convert_tokens_to_ids("<|mask|>")).write_to(model)
     return model
 
 
@@ -225,9 +228,10 @@ def test_causal_decoder_on_an_mdm_export_is_refused_before_decoding(name, monkey
     tok = tiny_tokenizer(("<|mask|>",))
     decoded = []
     monkeypatch.setattr(evaluate_module, "run_decoder", lambda *args, **kwargs: decoded.append(args))
-    with pytest.raises(CheckpointError, match=rf"decoder '{name}' decodes checkpoints of kind .*ar.* but config.json of "
-                                              r".* is a checkpoint of kind mdm-bidirectional \(pardec.recipe='mdm', "
-                                              r"attention='bidirectional'.*decode it with cover, mdm_guided"):
+    with pytest.raises(CheckpointError,
+                       match=rf"decoder '{name}' decodes checkpoints of kind .*ar.* but config.json of "
+                             r".* is a checkpoint of kind mdm-bidirectional \(pardec.recipe='mdm', "
+                             r"attention='bidirectional'.*decode it with cover, mdm_guided"):
         evaluate(_mdm_export(tok), tok, datasets.Dataset.from_list(EVAL_ROWS[:2]), {"name": name, "max_new_tokens": 4})
     assert decoded == []
 

@@ -102,7 +102,8 @@ def test_flex_kernel_choices_need_pardec_flex(key, value):
         configure_flex_attention(cfg, "sdpa")
     try:
         configure_flex_attention(cfg, COMPILED_FLEX_BACKEND)
-        state = {"flex_kernel_options": flex_attention._KERNEL_OPTIONS, "flex_compile_mode": flex_attention._COMPILE_MODE,
+        state = {"flex_kernel_options": flex_attention._KERNEL_OPTIONS,
+                 "flex_compile_mode": flex_attention._COMPILE_MODE,
                  "flex_repeat_kv": flex_attention._REPEAT_KV}
         assert state[key] == value
     finally:
@@ -121,7 +122,8 @@ def test_repeated_kv_heads_give_the_grouped_query_attention(monkeypatch):
 
     monkeypatch.setattr(flex_attention, "_compiled_attend", lambda: run)
     gen = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(1, 6, 16, 8, generator=gen), torch.randn(1, 2, 16, 8, generator=gen), torch.randn(1, 2, 16, 8, generator=gen)
+    q, k, v = (torch.randn(1, 6, 16, 8, generator=gen), torch.randn(1, 2, 16, 8, generator=gen),
+               torch.randn(1, 2, 16, 8, generator=gen))
     spec = causal_document_spec(torch.tensor([[0] * 10 + [1] * 6]))
     mask = flex_block_mask(spec, compile=False, block_size=8)
     try:
@@ -190,7 +192,8 @@ def test_repeated_kv_heads_are_recomputed_in_backward_not_kept(monkeypatch, grou
         torch.testing.assert_close(got.grad, reference.grad, atol=1e-5, rtol=1e-5)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kernel_options,repeat_kv", [(None, False), (flex_attention.AUTOTUNED_HOPPER_HEAD_DIM_64, False),
+@pytest.mark.parametrize("kernel_options,repeat_kv", [(None, False),
+                                                     (flex_attention.AUTOTUNED_HOPPER_HEAD_DIM_64, False),
                                                      (flex_attention.AUTOTUNED_HOPPER_HEAD_DIM_64, True)],
                          ids=["torch-default", "autotuned-hopper", "autotuned-hopper-repeat-kv"])
 @pytest.mark.parametrize("build", [idlm_row, jacobi_row], ids=["idlm", "jacobi"])

@@ -43,7 +43,8 @@ def reference_batch(samples, block, pack, supervise_last_prompt_slot=False):
         current.append(s)
         used += 2 * len(s["input_ids"])
     rows.append(current)
-    keys = ("input_ids", "position_ids", "labels_mask_stream", "labels_clean_stream", "segment_ids", "stream", "block_ids")
+    keys = ("input_ids", "position_ids", "labels_mask_stream", "labels_clean_stream", "segment_ids", "stream",
+            "block_ids")
     out = {k: [] for k in keys}
     for row in rows:
         r = {k: [] for k in keys}
@@ -120,7 +121,8 @@ def test_label_convention_on_one_sample(supervise):
 def test_default_supervises_mask_slots_only():
     samples = random_samples([(7, 3), (5, 1), (4, 4), (6, 0)], seed=3)
     default = build_idlm_batch(samples, mask_token_id=MASK_ID, block_size=2, pack_length=44)
-    off = build_idlm_batch(samples, mask_token_id=MASK_ID, block_size=2, pack_length=44, supervise_last_prompt_slot=False)
+    off = build_idlm_batch(samples, mask_token_id=MASK_ID, block_size=2, pack_length=44,
+                           supervise_last_prompt_slot=False)
     assert torch.equal(default["labels_mask_stream"], off["labels_mask_stream"])
     supervised = default["labels_mask_stream"] != -100
     assert supervised.any() and bool((default["input_ids"][supervised] == MASK_ID).all())

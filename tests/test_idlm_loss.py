@@ -123,9 +123,11 @@ def test_no_answer_tokens_gives_zero_not_nan(clean_scale):
     samples = random_samples([(4, 4), (3, 3)])  # prompts only
     batch = build_idlm_batch(samples, mask_token_id=MASK_ID, block_size=2, pack_length=16)
     model.zero_grad()
-    total, logs = idlm_loss(forward_logits(model, batch), batch["labels_mask_stream"], batch["labels_clean_stream"], clean_scale)
+    total, logs = idlm_loss(forward_logits(model, batch), batch["labels_mask_stream"], batch["labels_clean_stream"],
+                            clean_scale)
     total.backward()
-    assert float(total.detach()) == 0.0 and logs == {"l_mask": 0.0, "l_clean": 0.0, "scale": logs["scale"], "n_answer_tokens": 0.0}
+    assert float(total.detach()) == 0.0 and logs == {"l_mask": 0.0, "l_clean": 0.0, "scale": logs["scale"],
+                                                     "n_answer_tokens": 0.0}
     assert logs["scale"] == (0.0 if clean_scale == "auto" else 0.2)
     assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
 

@@ -79,7 +79,8 @@ def test_n_chosen_on_val_then_the_test_rows_use_it(tmp_path):
     labels = [r["decoder"] for r in payload["decoding"]]
     assert labels[1] == f"Jacobi n={n} (base, untrained)"
     assert payload["chosen_labels"]["jacobi"] in labels and payload["chosen_labels"]["multiblock"] in labels
-    assert all(r["decoder_config"]["block_size"] == n for r in payload["decoding"] if r["decoder_config"]["name"] != "ar")
+    assert all(r["decoder_config"]["block_size"] == n for r in payload["decoding"]
+               if r["decoder_config"]["name"] != "ar")
     assert f"n chosen here: {n}" in out.with_suffix(".md").read_text()
 
 

@@ -185,7 +185,8 @@ def test_streams_layout_by_hand():
     assert batch["pc_teacher_index"].tolist() == [9, 10, 13]
     meta = batch["attention"].metadata
     assert meta["block_ids"][0, :14].tolist() == [-1, -1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1]
-    with pytest.raises(ValueError, match="'blocks' is not a valid JacobiLayout: expected one of \\['interleaved', 'streams'\\]"):
+    with pytest.raises(ValueError,
+                       match="'blocks' is not a valid JacobiLayout: expected one of \\['interleaved', 'streams'\\]"):
         build_jacobi_batch([full], block_size=3, pack_length=16, pad_token_id=0, layout="blocks")
 
 

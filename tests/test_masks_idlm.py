@@ -108,7 +108,8 @@ def test_dense_mask_matches_brute_force(name, rows, seq, block, shuffle_seed):
 
 
 def _diagram(docstring: str) -> torch.Tensor:
-    rows = [line.split() for line in docstring.splitlines() if line.strip()[:2] in {f"{s}{i}" for s in "tc" for i in range(6)}]
+    rows = [line.split() for line in docstring.splitlines()
+            if line.strip()[:2] in {f"{s}{i}" for s in "tc" for i in range(6)}]
     return torch.tensor([[c == "x" for c in row[1:]] for row in rows])
 
 

@@ -412,7 +412,8 @@ def test_guided_decoding_through_evaluate_reports_both_forward_counts(guide_dir)
     dlm = sum(r["stats"]["dlm_forwards"] for r in result.records)
     guide_f = sum(r["stats"]["guide_forwards"] for r in result.records)
     committed = sum(r["committed"] for r in result.records)
-    assert math.isclose(m["dlm_forwards_per_sample"], dlm / 3) and math.isclose(m["guide_forwards_per_sample"], guide_f / 3)
+    assert (math.isclose(m["dlm_forwards_per_sample"], dlm / 3)
+            and math.isclose(m["guide_forwards_per_sample"], guide_f / 3))
     assert math.isclose(m["tpf_dlm"], committed / dlm) and math.isclose(m["tpf_all"], committed / (dlm + guide_f))
     assert 0 <= m["guide_acceptance"] <= 1
 
@@ -437,7 +438,8 @@ def test_guide_with_another_tokenizer_is_a_named_error(tmp_path):
     decoder = build_decoder({"name": "mdm_guided", "guide": str(path), "max_new_tokens": L, "block_size": B},
                             mdm_tokenizer())
     decoder.use_auxiliary({"guide": load_guide(path)})
-    with pytest.raises(ConfigError, match="decoder.guide=.*tokenizer differs"), decoder.prepare(mdm_model("bidirectional")):
+    with (pytest.raises(ConfigError, match="decoder.guide=.*tokenizer differs"),
+          decoder.prepare(mdm_model("bidirectional"))):
         pass
 
 

@@ -67,5 +67,6 @@ def test_launcher_exits_with_the_workers_exit_code(tmp_path):
            "sh", "-c", f"exit {PREEMPTED_EXIT_CODE}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(), capture_output=True, text=True, check=False, timeout=120)
     assert proc.returncode == PREEMPTED_EXIT_CODE, proc.stderr[-2000:]
-    ok = subprocess.run(cmd[:-1] + ["exit 0"], cwd=tmp_path, env=child_env(), capture_output=True, text=True, check=False, timeout=120)
+    ok = subprocess.run(cmd[:-1] + ["exit 0"], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
+                        check=False, timeout=120)
     assert ok.returncode == 0, ok.stderr[-2000:]

@@ -120,7 +120,8 @@ def test_isd_and_jacobi_rows_are_at_the_n_chosen_on_validation(folders):
     table, missing = real_summary.build(results, {})
     rows = {(r["method"], r["decoder"]): r for r in table}
     assert rows[("I-DLM", "ISD N=3 greedy")]["tpf"] == 2.4 and rows[("I-DLM", "ISD N=3 greedy")]["short"] == "ISD N=3"
-    assert [rows[("Jacobi Forcing", label)]["short"] for label in (jacobi, multiblock)] == ["Jacobi n=4", "multi-block n=4"]
+    assert ([rows[("Jacobi Forcing", label)]["short"] for label in (jacobi, multiblock)]
+            == ["Jacobi n=4", "multi-block n=4"])
     assert rows[("Jacobi Forcing", jacobi)]["tps_ratio"] == 1.1 and rows[("Jacobi Forcing", multiblock)]["tpf"] == 1.4
     assert "cpu_idlm" not in {r.source for r in missing} and "cpu_jacobi_forcing" not in {r.source for r in missing}
 

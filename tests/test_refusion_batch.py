@@ -262,7 +262,8 @@ def test_every_backend_matches_explicit_float_mask(arch, impl):
     segments = batch["attention"].metadata["segment_ids"]
     real = segments >= 0
     ours = forward(model, batch["input_ids"], batch["position_ids"], dense_additive_mask(batch["attention"]))
-    ref = forward(tiny_model(arch, "eager"), batch["input_ids"], batch["position_ids"], explicit_reference_mask(segments))
+    ref = forward(tiny_model(arch, "eager"), batch["input_ids"], batch["position_ids"],
+                  explicit_reference_mask(segments))
     torch.testing.assert_close(ours[real], ref[real], atol=1e-5, rtol=1e-5)
 
 

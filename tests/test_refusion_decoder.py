@@ -231,7 +231,8 @@ def test_fused_plan_saves_the_plan_forward_with_the_same_tokens(tokenizer, monke
     model = converted_model(tokenizer, seed=3)
     drawn = []
     pick = ReFusionDecoder._pick
-    monkeypatch.setattr(ReFusionDecoder, "_pick", lambda self, probs, g: drawn.append(probs.clone()) or pick(self, probs, g))
+    monkeypatch.setattr(ReFusionDecoder, "_pick",
+                        lambda self, probs, g: drawn.append(probs.clone()) or pick(self, probs, g))
 
     def run(prompt, **cfg):
         drawn.clear()

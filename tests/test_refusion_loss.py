@@ -97,7 +97,8 @@ def test_no_label_at_all_is_an_exact_zero_in_the_graph(norm):
     total, logs = refusion_loss(logits, batch["labels_arm"], batch["labels_mdm"], mdm_norm=norm,
                                 mdm_sample=batch["mdm_sample"], mdm_weight=batch["mdm_weight"])
     total.backward()
-    assert float(total.detach()) == 0.0 and logs == {"l_arm": 0.0, "l_mdm": 0.0, "n_arm_tokens": 0.0, "n_mdm_tokens": 0.0}
+    assert float(total.detach()) == 0.0 and logs == {"l_arm": 0.0, "l_mdm": 0.0, "n_arm_tokens": 0.0,
+                                                     "n_mdm_tokens": 0.0}
     assert torch.equal(logits.grad, torch.zeros_like(logits))
 
 

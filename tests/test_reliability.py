@@ -59,7 +59,8 @@ class FakeEngine:
 
 
 def _save(root: Path, step: int, payload: str, lineage: str, keep: int = 2) -> Path:
-    return ckpt.save_training_state(FakeEngine(payload), root, step, {"step": step, "lineage": lineage}, 0, keep, "x: 1\n")
+    return ckpt.save_training_state(FakeEngine(payload), root, step, {"step": step, "lineage": lineage}, 0, keep,
+                                    "x: 1\n")
 
 
 def _payload(path: Path) -> str:
@@ -426,20 +427,22 @@ def test_top_level_setting_every_stage_replaces_is_refused_and_a_partial_one_ann
     that every stage replaces is refused naming both keys (through the CLI too); one that only some
     stages replace is logged; values from the YAML defaults are not settings the user gave."""
     with pytest.raises(ConfigError, match=r"'trainer.max_steps' = 2 \(given on the command line\) is replaced in every "
-                                          r"stage of recipe=idlm: recipe.stages\[0\].max_steps = 200, recipe.stages\[1\]"
-                                          r".max_steps = 200, recipe.stages\[2\].max_steps = 400"):
+                                          r"stage of recipe=idlm: recipe.stages\[0\].max_steps = 200, "
+                                          r"recipe.stages\[1\].max_steps = 200, recipe.stages\[2\].max_steps = 400"):
         compose_train(["recipe=idlm", "trainer.max_steps=2"])
     with pytest.raises(ConfigError, match=r"'recipe.stride' = 3 .*recipe.stages\[2\].overrides.stride = 4"):
         compose_train(["recipe=idlm", "recipe.stride=3"])
     with caplog.at_level(logging.INFO):
         compose_train(["recipe=idlm", "recipe.stride=3",
                        "recipe.stages=[{name: a, max_steps: 1, overrides: {stride: 2}}, {name: b, max_steps: 1}]"])
-    assert "'recipe.stride' = 3 applies to stage(s) b; recipe.stages[0].overrides.stride = 2 replace(s) it" in caplog.text
+    assert ("'recipe.stride' = 3 applies to stage(s) b; recipe.stages[0].overrides.stride = 2 replace(s) it"
+            in caplog.text)
     compose_train(["recipe=idlm"])
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "pardec.cli.train", "recipe=idlm", "trainer.max_steps=2",
-                           f"output_dir={tmp_path}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                           f"output_dir={tmp_path}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode != 0 and "'trainer.max_steps' = 2 (given on the command line)" in proc.stderr
     assert not (tmp_path / "stages").exists()
 

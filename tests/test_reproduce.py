@@ -83,7 +83,8 @@ def test_every_step_runs_a_module_that_exists():
     only when the pipeline reaches it, an hour in)."""
     import importlib.util
 
-    modules = [s.command[i + 1] for s in (*reproduce.STEPS, *reproduce.REAL_STEPS) for i, arg in enumerate(s.command) if arg == "-m"]
+    modules = [s.command[i + 1] for s in (*reproduce.STEPS, *reproduce.REAL_STEPS)
+               for i, arg in enumerate(s.command) if arg == "-m"]
     assert modules and all(m.startswith(("pardec.", "torch.")) for m in modules), modules
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     assert not missing, missing

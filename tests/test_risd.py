@@ -30,7 +30,8 @@ def test_risd_greedy_is_token_identical_to_the_base(tmp_path):
     risd_model, risd_tok = load_checkpoint(result.export_dir, device="cpu")
     base_model, base_tok = load_checkpoint(base_dir, device="cpu")
     assert gate_holder(risd_model).mask_token_id == risd_tok.convert_tokens_to_ids("<|mask|>")
-    prompts = [format_prompt_ids(base_tok, row["prompt"], "plain") for row in generate_split(cfg.data.synthetic, "test")[:4]]
+    prompts = [format_prompt_ids(base_tok, row["prompt"], "plain")
+               for row in generate_split(cfg.data.synthetic, "test")[:4]]
     eos = {base_tok.eos_token_id}
     ar = build_decoder({"name": "ar", "max_new_tokens": 24}, base_tok).decode(base_model, prompts, eos, [0] * 4)
     # The clean stream of a converted model must never emit <|mask|>, whatever its (random, tied)

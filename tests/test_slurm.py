@@ -48,7 +48,8 @@ def slurm(tmp_path_factory):
         assert start.returncode == 0, f"local_cluster.sh start failed:\n{start.stdout}\n{start.stderr}"
         yield env
     finally:
-        stop = subprocess.run(["bash", str(CLUSTER), "stop", str(state)], capture_output=True, text=True, check=False, timeout=120)
+        stop = subprocess.run(["bash", str(CLUSTER), "stop", str(state)], capture_output=True, text=True, check=False,
+                              timeout=120)
         assert stop.returncode == 0, f"local_cluster.sh stop failed:\n{stop.stdout}\n{stop.stderr}"
 
 
@@ -57,13 +58,15 @@ def sbatch(env: dict, workdir: Path, template: str, args: list[str], options: li
     """Submit from the repository root, as the templates require; the job log lands in ``workdir``."""
     cmd = ["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=1", "--time=10", f"--chdir={workdir}",
            *options, str(REPO / "scripts" / "slurm" / template), *args]
-    proc = subprocess.run(cmd, cwd=REPO, env={**env, **(extra_env or {})}, capture_output=True, text=True, check=False, timeout=60)
+    proc = subprocess.run(cmd, cwd=REPO, env={**env, **(extra_env or {})}, capture_output=True, text=True, check=False,
+                          timeout=60)
     assert proc.returncode == 0, f"sbatch failed: {proc.stderr}"
     return proc.stdout.strip().split(";")[0]
 
 
 def job_info(env: dict, job: str) -> dict[str, str]:
-    out = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True, check=False, timeout=30).stdout
+    out = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True, check=False,
+                         timeout=30).stdout
     return dict(re.findall(r"(\w+)=(\S*)", out))
 
 

@@ -38,7 +38,8 @@ def test_resume_is_exact(tmp_path):
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
     # the resumed run logged steps 1-2 then 3-4: the data position continued, not restarted
-    assert [json.loads(line)["step"] for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert [json.loads(line)["step"]
+            for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
 
 
 def test_export_reloads_in_plain_transformers(tmp_path):
@@ -148,5 +149,6 @@ def test_eval_decoder_that_cannot_decode_the_recipes_export_is_refused_before_tr
         run_in_process([*mdm, "eval.decoder=ar"])
     assert not (tmp_path / "metrics.jsonl").exists()  # nothing trained
     run_in_process([*mdm, "eval.decoder=mdm_lowconf"])
-    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "eval/tpf" in line]
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+                 if "eval/tpf" in line]
     assert record["eval/num_samples"] == 2

@@ -69,7 +69,8 @@ def test_evaluate_sampling_measures_agreement_against_ar_greedy(tok_model):
     cold = evaluate(model, tok, eval_set(), {"name": "ar", "greedy": False, "temperature": 1e-4, "max_new_tokens": 6})
     assert cold.metrics["agreement_exact"] == 1.0 and cold.metrics["agreement_prefix"] == 1.0
     assert all(r["reference_ids"] == r["output_ids"] for r in cold.records)
-    hot = evaluate_model(model, tok, eval_set(), {"name": "ar", "greedy": False, "temperature": 5.0, "max_new_tokens": 6})
+    hot = evaluate_model(model, tok, eval_set(), {"name": "ar", "greedy": False, "temperature": 5.0,
+                                                  "max_new_tokens": 6})
     assert hot["agreement_exact"] < 1.0
     off = evaluate_model(model, tok, eval_set(), {"name": "ar", "greedy": False, "max_new_tokens": 2}, agreement=False)
     assert off["agreement_exact"] is None
@@ -93,7 +94,8 @@ def test_prompt_formatting_bos_and_empty_prompt():
 
 def test_chat_template_prompt():
     tok = tiny_tokenizer()
-    tok.chat_template = "{% for m in messages %}Question: {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}Answer:{% endif %}"
+    tok.chat_template = ("{% for m in messages %}Question: {{ m['content'] }} {% endfor %}"
+                         "{% if add_generation_prompt %}Answer:{% endif %}")
     ids = encode_prompt(tok, "what is 1", "chat", add_bos=True, index=0)
     assert ids == tok("Question: what is 1 Answer:", add_special_tokens=False)["input_ids"]
 
@@ -176,7 +178,8 @@ def test_validate_two_processes_match_one(tmp_path):
     assert [{k: v for k, v in r.items() if k not in drop} for r in s1] == [
         {k: v for k, v in r.items() if k not in drop} for r in s2
     ]
-    assert {k: v for k, v in m1.items() if k not in TIMING_KEYS} == {k: v for k, v in m2.items() if k not in TIMING_KEYS}
+    assert ({k: v for k, v in m1.items() if k not in TIMING_KEYS}
+            == {k: v for k, v in m2.items() if k not in TIMING_KEYS})
     assert json.loads((tmp_path / "two" / "metrics.json").read_text())["world_size"] == 2
 
 

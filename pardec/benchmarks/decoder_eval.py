@@ -1,4 +1,5 @@
-# python -m pardec.benchmarks.decoder_eval --model runs/refusion_default/hf --num 100 --decoder '{"name": "refusion", "block_size": 8, "threshold": 0.5}' --decoder '{"name": "ar"}'
+# python -m pardec.benchmarks.decoder_eval --model runs/refusion_default/hf --num 100 \
+#   --decoder '{"name": "refusion", "block_size": 8, "threshold": 0.5}' --decoder '{"name": "ar"}'
 """Quick accuracy and TPF of one checkpoint under one or more decoders, for tuning a conversion or
 a decoder setting (the "how it was chosen" rows of docs/results/): the first ``--num`` problems of the
 validation split (``--split val``, the default: where settings are tuned) or of the test split,

@@ -1,4 +1,6 @@
-# python -m pardec.benchmarks.gpu_decoding --base runs/default_base/hf --idlm runs/idlm_default/stages/03-stride4_more/hf --risd runs/idlm_lora_default/hf --jacobi runs/jacobi_forcing_default/stages/01-round2/hf   (needs a CUDA GPU)
+# python -m pardec.benchmarks.gpu_decoding --base runs/default_base/hf \
+#   --idlm runs/idlm_default/stages/03-stride4_more/hf --risd runs/idlm_lora_default/hf \
+#   --jacobi runs/jacobi_forcing_default/stages/01-round2/hf   (needs a CUDA GPU)
 """Parallel decoding on GPU: forward latency against parallel query tokens, and TPS / AR greedy.
 
 Two tables, one run, bf16, batch 1:
@@ -403,7 +405,8 @@ def main() -> None:
                        + (f" --sdpa-backends {' '.join(args.sdpa_backends)}" if args.sdpa_backends else ""),
            "latency": f"--cache {args.cache}",
            "steps": f"--steps {args.steps} --base {args.base}",
-           "graphs": f"--graph-prompts {args.graph_prompts} --graph-steps {args.graph_steps} --base {args.base}"}[table])
+           "graphs": f"--graph-prompts {args.graph_prompts} --graph-steps {args.graph_steps} "
+                     f"--base {args.base}"}[table])
     if "latency" in args.tables:
         latency_section(args, out, command("latency"), device)
     if "decoding" in args.tables:

@@ -1,9 +1,10 @@
-# python -m pardec.benchmarks.idlm_isd --base runs/default_base/hf --idlm runs/idlm_default/stages/02-stride4/hf --risd runs/idlm_lora_default/hf
+# python -m pardec.benchmarks.idlm_isd --base runs/default_base/hf --idlm runs/idlm_default/stages/02-stride4/hf \
+#   --risd runs/idlm_lora_default/hf
 """I-DLM on the embedded default: AR greedy vs ISD (N = 2, 3, 4; greedy and sampling) vs R-ISD.
 
 All rows decode the same held-out problems one sample at a time (batch 1) in one process, one
-after the other, each after an untimed warm-up on two problems, so their TPS are comparable; TPS ratios are to AR greedy of the base measured in
-this run. Columns:
+after the other, each after an untimed warm-up on two problems, so their TPS are comparable; TPS
+ratios are to AR greedy of the base measured in this run. Columns:
 
 * accuracy: exact final answer (``#### n``);
 * = base: fraction of samples whose tokens equal the base model's AR greedy output exactly;

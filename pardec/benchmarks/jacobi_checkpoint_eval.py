@@ -1,9 +1,11 @@
-# python -m pardec.benchmarks.jacobi_checkpoint_eval --model runs/jacobi_forcing_default/stages/01-round2/hf --n 16 --mr --base-ar runs/base_ar_val.json
+# python -m pardec.benchmarks.jacobi_checkpoint_eval --model runs/jacobi_forcing_default/stages/01-round2/hf \
+#   --n 16 --mr --base-ar runs/base_ar_val.json
 """Quick evaluation of one Jacobi Forcing checkpoint while tuning a conversion (the
-"How the defaults were chosen" rows of docs/results/jacobi_forcing.md): AR greedy accuracy, identity with the base's AR greedy output,
-and Jacobi (and with ``--mr`` multi-block K=2, r=0.85, pool 4, verify 4) TPF and identity at block
-sizes n and 2n, on the first ``--num`` problems of the validation split (``--split val``, the
-default: where conversions are tuned) or of the test split, batch 1. Prints one ``RESULT {json}`` line.
+"How the defaults were chosen" rows of docs/results/jacobi_forcing.md): AR greedy accuracy, identity
+with the base's AR greedy output, and Jacobi (and with ``--mr`` multi-block K=2, r=0.85, pool 4,
+verify 4) TPF and identity at block sizes n and 2n, on the first ``--num`` problems of the validation
+split (``--split val``, the default: where conversions are tuned) or of the test split, batch 1.
+Prints one ``RESULT {json}`` line.
 
 ``--save-ar`` (run on the base) writes its AR greedy outputs; ``--base-ar`` reads them back.
 The full side-by-side table with TPS is ``pardec/benchmarks/jacobi_forcing.py``.

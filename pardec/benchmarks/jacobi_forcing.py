@@ -1,4 +1,5 @@
-# python -m pardec.benchmarks.jacobi_forcing --base runs/default_base/hf --round1 runs/jacobi_forcing_default/stages/00-round1/hf --round2 runs/jacobi_forcing_default/stages/01-round2/hf
+# python -m pardec.benchmarks.jacobi_forcing --base runs/default_base/hf \
+#   --round1 runs/jacobi_forcing_default/stages/00-round1/hf --round2 runs/jacobi_forcing_default/stages/01-round2/hf
 """Jacobi Forcing on the embedded default: AR greedy vs Jacobi decoding before and after each
 progressive-distillation round vs multi-block decoding with rejection recycling; and the training
 cost of the packed single-forward loss against naive per-block forwards.

@@ -18,7 +18,8 @@ Times are medians over timed steps after warm-up steps (compilation happens in w
 device synchronised; memory is ``torch.cuda.max_memory_allocated`` of the cell's steps; a cell that
 runs out of memory is reported as such. ``--flex-choice F`` runs ``pardec_flex`` with the kernel
 choice in ``F`` (``pardec.benchmarks.flex_kernels``). ``--profile L`` also writes a ``torch.profiler`` table of one
-step per backend on a row of ``L`` tokens of ``--profile-recipe`` (I-DLM by default). Writes ``benchmarks/results/mask_backends.{md,json}``.
+step per backend on a row of ``L`` tokens of ``--profile-recipe`` (I-DLM by default). Writes
+``benchmarks/results/mask_backends.{md,json}``.
 """
 
 from __future__ import annotations

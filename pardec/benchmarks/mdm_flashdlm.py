@@ -12,7 +12,8 @@ MDM was converted from. Columns:
 * accuracy: exact final answer (``#### n``); = base AR greedy: fraction of samples whose tokens equal
   the base's AR greedy output exactly (guided ``shifted`` + strict must be 100%);
 * TPF = committed tokens / all forwards (DLM + guide), TPF (DLM) = committed / DLM forwards;
-* DLM forwards and guide forwards per sample; guide acceptance = accepted / verified drafts; TPS = committed tokens / decoding-loop wall time;
+* DLM forwards and guide forwards per sample; guide acceptance = accepted / verified drafts; TPS = committed
+  tokens / decoding-loop wall time;
 * TPS / MDM baseline (the low-confidence row at one token per step) and TPS / base AR greedy.
 
 ``--split test`` (default): the first ``--num-samples`` problems of the synthetic test split.
@@ -112,12 +113,14 @@ def table_row(key: str, label: str, which: str, decoder: dict, recs: list[dict],
 
 def table_md(table: list[dict]) -> str:
     header = ("| decoder | accuracy | = base AR greedy | TPF | TPF (DLM) | DLM fwd / sample | guide fwd / sample | "
-              "guide acceptance | TPS | TPS / MDM baseline | TPS / base AR |\n|---|---|---|---|---|---|---|---|---|---|---|")
+              "guide acceptance | TPS | TPS / MDM baseline | TPS / base AR |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|")
     return "\n".join([header] + [
         f"| {r['decoder']} | {r['accuracy']:.1%} | {or_dash(r['identical_to_base_ar'], '.1%')} | {r['tpf']:.2f} | "
         f"{or_dash(r['tpf_dlm'], '.2f')} | "
         f"{or_dash(r['dlm_forwards_per_sample'], '.1f')} | "
-        f"{or_dash(r['guide_forwards_per_sample'], '.1f')} | {or_dash(r['guide_acceptance'], '.2f')} | {r['tps']:.1f} | {or_dash(r['tps_vs_mdm_baseline'], '.2f')}x | "
+        f"{or_dash(r['guide_forwards_per_sample'], '.1f')} | {or_dash(r['guide_acceptance'], '.2f')} | "
+        f"{r['tps']:.1f} | {or_dash(r['tps_vs_mdm_baseline'], '.2f')}x | "
         f"{or_dash(r['tps_vs_base_ar'], '.2f')}x |"
         for r in table
     ])

@@ -108,7 +108,8 @@ def main() -> None:
     ]
     lines = ["| model | tokens | next-token accuracy | on digits | on other tokens | problems all right |",
              "|---|---|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['tokens']} | {or_dash(r['accuracy_all'], '.1%')} | {or_dash(r['accuracy_digits'], '.1%')} | "
+    lines += [f"| {r['model']} | {r['tokens']} | {or_dash(r['accuracy_all'], '.1%')} | "
+              f"{or_dash(r['accuracy_digits'], '.1%')} | "
               f"{or_dash(r['accuracy_other'], '.1%')} | {or_dash(r['all_correct'], '.1%')} |" for r in table]
     md = "\n".join(lines)
     print(md)

@@ -121,7 +121,8 @@ def render(latency: list[dict], decoding: list[dict], args) -> str:
     for threads in args.threads:
         cells = [r for r in latency if r["threads"] == threads]
         lines.append(f"| {threads} | " + " | ".join(f"{r['ms']:.1f} ({r['ratio_to_1']:.2f}x)" for r in cells) + " |")
-    lines += ["", f"Decoding, {args.num_samples} test problems, chat template, batch 1, {args.decode_threads} thread(s):",
+    lines += ["", f"Decoding, {args.num_samples} test problems, chat template, batch 1, "
+                  f"{args.decode_threads} thread(s):",
               "", "| decoder | accuracy | flexible accuracy | = AR greedy | TPF | TPS | TPS / AR | bound TPF·t(1)/t(n) "
               "| share of bound | new tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['decoder']} | {r['accuracy']:.1%} | {r['accuracy_flexible']:.1%} | {r['identical_to_ar']:.1%} | "

@@ -36,7 +36,8 @@ class RealRow:
     """One (checkpoint, decoder) on SmolLM2: ``source`` is the results file's stem, ``kind`` the
     benchmark that wrote it (a key of ``pardec.benchmarks.summary.SOURCES``: how its rows are read),
     ``decoder`` the row label in it (or a callable that picks it from the JSON, e.g. the setting chosen
-    on validation), ``short`` its label in the plot (a string or such a callable); ``conversion`` the run that trained the checkpoint (its wall time's key);
+    on validation), ``short`` its label in the plot (a string or such a callable); ``conversion`` the
+    run that trained the checkpoint (its wall time's key);
     ``lossless`` the AR greedy the decoder reproduces by construction ("base" or "own"), None for no
     claim."""
 
@@ -128,7 +129,8 @@ ROWS: tuple[RealRow, ...] = (
             "ISD N=4 greedy", "ISD N=4", "smollm2_idlm_gpu@h200", "own", GPU_RUN_H200),
     # A later H200 session: its own SFT base (its wall time is in docs/results/real_gpu.md), eager decoding.
     *(RealRow("MDM", "MDM (block 2) on the H200 MDM run's SFT base", H200, "gpu_mdm_flashdlm_h200", "mdm_flashdlm",
-              label, short, "smollm2_mdm_gpu@h200", lossless, GPU_RUN_MDM) for label, short, lossless in MDM_FLASHDLM_ROWS),
+              label, short, "smollm2_mdm_gpu@h200", lossless, GPU_RUN_MDM)
+      for label, short, lossless in MDM_FLASHDLM_ROWS),
     # A third H200 session: blocks of 32, bidirectional and block-causal, both on that session's SFT base (eager;
     # Fast-dLLM is in the COVER tables, which have no AR row: TPS / base AR "—" there).
     *(RealRow("MDM", "MDM (bidirectional, block 32) on the third H200 run's SFT base", H200,
@@ -190,7 +192,8 @@ def build(results_dir: Path, seconds: dict[str, float]) -> tuple[list[dict], lis
 
 # The two SmolLM2 MDM conversions compared on val (reproduce steps cpu_mdm_val_<key>): same budget,
 # each decoded in its own block (docs/results/real_cpu.md).
-MDM_ATTENTIONS = {"block": ("block-causal, blocks of 2", "smollm2_mdm"), "bidir": ("bidirectional", "smollm2_mdm_bidir")}
+MDM_ATTENTIONS = {"block": ("block-causal, blocks of 2", "smollm2_mdm"),
+                  "bidir": ("bidirectional", "smollm2_mdm_bidir")}
 MDM_VAL_COMMAND = "python -m pardec.cli.reproduce --real --only smollm2_mdm_bidir cpu_mdm_val_block cpu_mdm_val_bidir"
 
 
@@ -243,13 +246,14 @@ def mdm_attention_choice(results_dir: Path) -> str | None:
 
 
 def markdown(table: list[dict], missing: list[RealRow]) -> str:
-    lines = ["| method | checkpoint | decoder | hardware | test problems | accuracy | = base AR | TPF | TPS / base AR | "
-             "lossless | conversion wall time |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | checkpoint | decoder | hardware | test problems | accuracy | = base AR | TPF | "
+             "TPS / base AR | lossless | conversion wall time |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table:
         base = " (the base's fine-tuning)" if r["method"] == "AR" else ""
         lines.append(f"| {r['method']} | {r['checkpoint']} | {r['decoder']} | {r['hardware']} | "
                      f"{or_dash(r['num_problems'], 'd')} | {r['accuracy']:.1%} | "
-                     f"{or_dash(r['identical_to_base'], '.1%')} | {r['tpf']:.2f} | {or_dash(r['tps_ratio'], '.2f', 'x')} | "
+                     f"{or_dash(r['identical_to_base'], '.1%')} | {r['tpf']:.2f} | "
+                     f"{or_dash(r['tps_ratio'], '.2f', 'x')} | "
                      f"{r['lossless']} | {minutes(r['conversion_seconds'])}{base} |")
     if missing:
         lines += ["", "Not measured yet:"]
@@ -290,8 +294,8 @@ def plot(embedded: list[dict], real: list[dict], path: Path) -> None:
             ax.scatter(r["tps_ratio"], 100 * r["accuracy"], marker="*" if r["lossless_verified"] else "o",
                        s=180 if r["lossless_verified"] else 60, edgecolors=colour if gpu else "black",
                        facecolors="none" if gpu else colour, linewidths=1.2, zorder=3)
-        labels.append((ax, [(r["tps_ratio"], 100 * r["accuracy"], r["short"] + (f" ({r['hardware']})"
-                                                                                 if r.get("hardware", CPU) != CPU else ""))
+        labels.append((ax, [(r["tps_ratio"], 100 * r["accuracy"],
+                             r["short"] + (f" ({r['hardware']})" if r.get("hardware", CPU) != CPU else ""))
                             for r in shown]))
         ax.axvline(1.0, color="grey", lw=0.8, ls="--")
     axes[0].set_ylabel("accuracy on the held-out test problems (%)")

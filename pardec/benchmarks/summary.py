@@ -186,7 +186,8 @@ def markdown(table: list[dict]) -> str:
     for r in table:
         wall = minutes(r["conversion_seconds"]) + (" (the base itself)" if r["conversion"] == "default_base" else "")
         lines.append(f"| {r['method']} | {r['checkpoint']} | {r['decoder']} | {r['accuracy']:.1%} | "
-                     f"{or_dash(r['identical_to_base'], '.1%')} | {r['tpf']:.2f} | {or_dash(r['tps_ratio'], '.2f', 'x')} | "
+                     f"{or_dash(r['identical_to_base'], '.1%')} | {r['tpf']:.2f} | "
+                     f"{or_dash(r['tps_ratio'], '.2f', 'x')} | "
                      f"{r['lossless']} | {wall} |")
     return "\n".join(lines)
 

@@ -1,13 +1,14 @@
-# torchrun --nproc_per_node 8 -m pardec.cli.collect_trajectories model.path=<AR checkpoint> data=<dataset> recipe.block_size=16 output_dir=<dir>
+# torchrun --nproc_per_node 8 -m pardec.cli.collect_trajectories model.path=<AR checkpoint> \
+#   data=<dataset> recipe.block_size=16 output_dir=<dir>
 """Collect greedy Jacobi trajectories for Jacobi Forcing, sharded over torchrun ranks and resumable.
 
 It reuses the training config tree (``pardec/recipes/train.yaml``, recipe ``jacobi_forcing`` unless another
 ``recipe=`` is given, which must be ``jacobi_forcing``): the prompts are the training split of
 ``data.*`` tokenised exactly as training does, the model is ``model.*``, and the settings are the
 recipe's top-level keys ``block_size``, ``max_new_tokens``, ``seed``, ``shard_size``,
-``collect_batch_size`` and ``greedy_atol`` (``recipe.stages`` is ignored: pass round 2's values, e.g. ``recipe.block_size=32``,
-with ``model.path`` = the round-1 export). Trajectories go to ``recipe.collect_dir`` (default
-``${output_dir}/trajectories``); rerunning the same command resumes, skipping finished shards.
+``collect_batch_size`` and ``greedy_atol`` (``recipe.stages`` is ignored: pass round 2's values,
+e.g. ``recipe.block_size=32``, with ``model.path`` = the round-1 export). Trajectories go to ``recipe.collect_dir``
+(default ``${output_dir}/trajectories``); rerunning the same command resumes, skipping finished shards.
 ``recipe.prompt_start`` / ``recipe.num_prompts`` select a range of the training prompts, as in-run
 collection does.
 Train on them with ``recipe.trajectories_dir=<that directory>``.

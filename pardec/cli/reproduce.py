@@ -1,4 +1,5 @@
-# bash scripts/reproduce.sh [--real]  (or: .venv/bin/python -m pardec.cli.reproduce [--real] [--only NAME ...] [--dry-run])
+# bash scripts/reproduce.sh [--real]
+#   (or: .venv/bin/python -m pardec.cli.reproduce [--real] [--only NAME ...] [--dry-run])
 """Reproduce the summary table (docs/results/summary.md) on one machine: the embedded default base, each conversion
 (I-DLM, R-ISD, Jacobi Forcing, ReFusion, MDM), each method's benchmark and the summary table.
 
@@ -103,12 +104,14 @@ REAL_STEPS: tuple[Step, ...] = (
     bench("import", ["smollm2-135m-instruct"], (), module="pardec.cli.import_model"),
     train("smollm2_sft"),
     bench("smollm2_sft_eval", [f"checkpoint={SMOLLM2}/hf", "decoder=ar_greedy", "decoder.batch_size=16",
-                               "decoder.max_new_tokens=96", "progress=false"], (SMOLLM2,), module="pardec.cli.validate"),
+                               "decoder.max_new_tokens=96", "progress=false"], (SMOLLM2,),
+          module="pardec.cli.validate"),
     bench("cpu_speed", ["--model", "models/smollm2-135m-instruct", "--out", f"{REAL}/cpu_speed"], (),
           module="pardec.benchmarks.real_model_speed"),
     train("smollm2_risd"),
     bench("cpu_risd", ["--base", f"{SMOLLM2}/hf", "--risd", "runs/smollm2_risd/hf", "--threads", "2",
-                       "--out", f"{REAL}/cpu_risd"], (SMOLLM2, "runs/smollm2_risd"), module="pardec.benchmarks.idlm_isd"),
+                       "--out", f"{REAL}/cpu_risd"], (SMOLLM2, "runs/smollm2_risd"),
+          module="pardec.benchmarks.idlm_isd"),
     train("smollm2_idlm", "02-stride4"),
     bench("cpu_idlm", ["--base", f"{SMOLLM2}/hf", "--idlm", f"{REAL_IDLM}/hf", "--strides", "2", "3", "4",
                        "--num-val", "30", "--no-sample",

@@ -1,4 +1,5 @@
-# torchrun --nproc_per_node 8 -m pardec.cli.train experiment=<x> model.path=<local HF checkpoint> data=<dataset> deepspeed=zero3
+# torchrun --nproc_per_node 8 -m pardec.cli.train experiment=<x> model.path=<local HF checkpoint> \
+#   data=<dataset> deepspeed=zero3
 """Train with a recipe (Hydra config tree in ``pardec/recipes/``); one process or many under torchrun.
 
 Examples:

@@ -1,4 +1,5 @@
-# python -m pardec.cli.validate checkpoint=<dir> decoder=ar_greedy data=<eval set>   |   torchrun --nproc_per_node N -m pardec.cli.validate checkpoint=<dir> ...
+# python -m pardec.cli.validate checkpoint=<dir> decoder=ar_greedy data=<eval set>   |
+#   torchrun --nproc_per_node N -m pardec.cli.validate checkpoint=<dir> ...
 """Validate a checkpoint: decode an eval set, print a metrics table, write the results.
 
 Examples:
@@ -89,7 +90,8 @@ def check_output_dir(out_dir: Path, given: bool) -> None:
     """Before any work: ``out_dir`` (``output_dir`` when ``given``, else the default under the
     checkpoint) can be created or written, and none of :data:`OUTPUTS` in it is a directory;
     :class:`ConfigError` naming the key, the path and what is in the way."""
-    key = f"config key 'output_dir' = {out_dir}" if given else f"the default output directory {out_dir} (set output_dir)"
+    key = (f"config key 'output_dir' = {out_dir}" if given
+           else f"the default output directory {out_dir} (set output_dir)")
     existing = out_dir
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -99,11 +101,12 @@ def check_output_dir(out_dir: Path, given: bool) -> None:
         raise ConfigError(f"{key}: {existing} is not writable; choose another output_dir")
     blocked = [name for name in OUTPUTS if (out_dir / name).is_dir()]
     if blocked:
-        raise ConfigError(f"{key}: {out_dir / blocked[0]} is a directory where validation writes a file; choose another "
-                          f"output_dir")
+        raise ConfigError(f"{key}: {out_dir / blocked[0]} is a directory where validation writes a file; "
+                          f"choose another output_dir")
 
 
-def write_outputs(out_dir: Path, metrics: dict, records: list[dict], cfg: DictConfig, world_size: int, table: str) -> None:
+def write_outputs(out_dir: Path, metrics: dict, records: list[dict], cfg: DictConfig, world_size: int,
+                  table: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     summary = {"metrics": metrics, "world_size": world_size, "config": config}

@@ -153,7 +153,8 @@ class CheckpointMetadata:
             value = getattr(self, key)
             if value is not None and not isinstance(value, str):
                 raise bad(key, "a string")
-        minimum = {"mask_token_id": 0, "isd_stride": 2, "jacobi_block_size": 1, "slot_size": 1, "attention_block_size": 1}
+        minimum = {"mask_token_id": 0, "isd_stride": 2, "jacobi_block_size": 1, "slot_size": 1,
+                   "attention_block_size": 1}
         for key, low in minimum.items():
             value = getattr(self, key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
@@ -169,4 +170,5 @@ class CheckpointMetadata:
         if self.attention is not None and self.attention not in ATTENTION_KINDS:
             raise bad("attention", f"one of {ATTENTION_KINDS}")
         if self.attention == "block" and self.attention_block_size is None:
-            raise CheckpointError(f"{where}: '{METADATA_KEY}.attention' is 'block' but no attention_block_size is recorded")
+            raise CheckpointError(f"{where}: '{METADATA_KEY}.attention' is 'block' but no attention_block_size "
+                                  "is recorded")

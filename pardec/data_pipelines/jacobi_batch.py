@@ -28,7 +28,8 @@ partial (``pardec/benchmarks/mask_tiles.py``). The diagrams below are drawn for 
 * clean slot (j, o) predicts c_j[o + 1] for o < n - 1: its query sees the prompt and c_0..c_j up
   to o, exactly the causal context of position P + j*n + o;
 * the last clean slot of block j predicts c_{j+1}[0], taken from the next *clean* block (in the
-  interleaved layout the next buffer slot is k_{j+1}[0]); its query sees prompt + c_0..c_j, so this is the plain AR target;
+  interleaved layout the next buffer slot is k_{j+1}[0]); its query sees prompt + c_0..c_j, so this
+  is the plain AR target;
 * no target after EOS (the EOS slot itself predicts nothing), none for the last slot of a final
   block cut by the length cap, and none on prompt-to-prompt or noisy slots.
 

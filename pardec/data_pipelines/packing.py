@@ -20,10 +20,12 @@ from pardec.common.errors import DataError
 PAD_SEGMENT = -1
 
 
-def pack_dataset(ds: datasets.Dataset, pack_length: int, token_columns: Sequence[str], batch_size: int = 1000) -> datasets.Dataset:
+def pack_dataset(ds: datasets.Dataset, pack_length: int, token_columns: Sequence[str],
+                 batch_size: int = 1000) -> datasets.Dataset:
     longest = max(ds["length"]) if len(ds) else 0
     if longest > pack_length:
-        raise DataError(f"a sample has {longest} tokens > pack length {pack_length} (config key 'data.pack_length'); truncate or drop first")
+        raise DataError(f"a sample has {longest} tokens > pack length {pack_length} (config key 'data.pack_length'); "
+                        "truncate or drop first")
     has_positions = "position_ids" in ds.column_names
 
     def pack_batch(batch):

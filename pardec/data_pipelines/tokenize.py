@@ -101,10 +101,12 @@ def _encode(tokenizer, prompt: str, response: str, template: str) -> tuple[list[
         response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         return prompt_ids + response_ids, len(prompt_ids)
     full = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}], tokenize=True, return_dict=False
+        [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}],
+        tokenize=True, return_dict=False
     )
     if full[: len(prompt_ids)] != prompt_ids:
-        raise DataError("chat template: the rendered conversation does not start with the rendered prompt; use data.template=plain")
+        raise DataError("chat template: the rendered conversation does not start with the rendered prompt; "
+                        "use data.template=plain")
     return list(full), len(prompt_ids)
 
 
@@ -180,7 +182,8 @@ def check_unknown_rate(tokenized: datasets.Dataset, raw: datasets.Dataset, token
             f"{tokenizer.unk_token!r} ({where}) > data.max_unk_rate={max_rate}: the tokenizer does not cover this "
             "text (use the model's own tokenizer), or raise data.max_unk_rate (null = no check)"
         )
-    log.warning("%s: %d unknown tokens %r (%s); data.max_unk_rate=%s", split, n_unk, tokenizer.unk_token, where, max_rate)
+    log.warning("%s: %d unknown tokens %r (%s); data.max_unk_rate=%s", split, n_unk, tokenizer.unk_token, where,
+                max_rate)
     return rate
 
 
@@ -226,7 +229,8 @@ def apply_length_policy(ds: datasets.Dataset, max_length: int, policy: str, spli
         raise DataError(f"{where} (data.length_policy=error; use truncate or drop)")
     if policy == "drop":
         kept = ds.select([i for i in range(len(ds)) if lengths[i] <= max_length])
-        log.warning("length policy 'drop': dropped %d of %d %s samples (first: %s)", len(too_long), len(ds), split, where)
+        log.warning("length policy 'drop': dropped %d of %d %s samples (first: %s)", len(too_long), len(ds), split,
+                    where)
         if len(kept) == 0:
             raise DataError(f"every {split} sample is longer than data.max_length={max_length}; nothing left ({where})")
         return kept
@@ -243,7 +247,8 @@ def apply_length_policy(ds: datasets.Dataset, max_length: int, policy: str, spli
     if doomed:
         truncated = truncated.select([i for i in range(len(ds)) if i not in set(doomed)])
     log.warning(
-        "length policy 'truncate': truncated %d of %d %s samples to %d tokens, dropped %d whose prompt alone is that long (first: %s)",
+        "length policy 'truncate': truncated %d of %d %s samples to %d tokens, dropped %d whose prompt alone is "
+        "that long (first: %s)",
         len(too_long) - len(doomed), len(ds), split, max_length, len(doomed), where,
     )
     if len(truncated) == 0:

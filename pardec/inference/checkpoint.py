@@ -76,7 +76,8 @@ def load_for_decoding(cfg) -> tuple[Any, Any, dict[str, Any]]:
     for ``Decoder.use_auxiliary``), on ``cfg.device`` in ``cfg.dtype``."""
     model, tokenizer = load_checkpoint(cfg.checkpoint, cfg.device, cfg.dtype, cfg.attn_implementation)
     auxiliary = {
-        field: load_checkpoint(path, cfg.device, cfg.dtype)[0] for field, path in auxiliary_checkpoints(cfg.decoder).items()
+        field: load_checkpoint(path, cfg.device, cfg.dtype)[0]
+        for field, path in auxiliary_checkpoints(cfg.decoder).items()
     }
     return model, tokenizer, auxiliary
 

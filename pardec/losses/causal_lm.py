@@ -1,4 +1,5 @@
-"""Next-token labels over packed samples (the AR loss is ``pardec.losses.cross_entropy.token_mean_cross_entropy`` on them)."""
+"""Next-token labels over packed samples (the AR loss is
+``pardec.losses.cross_entropy.token_mean_cross_entropy`` on them)."""
 
 from __future__ import annotations
 

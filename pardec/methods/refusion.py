@@ -86,7 +86,8 @@ class ReFusionMethod(Method):
         return model
 
     def build_train_dataset(self, tokenized, data_cfg, model=None):
-        for key, k in (("recipe.slot_sizes", max(self.cfg.slot_sizes)), ("recipe.export_slot_size", self.cfg.export_slot_size)):
+        for key, k in (("recipe.slot_sizes", max(self.cfg.slot_sizes)),
+                       ("recipe.export_slot_size", self.cfg.export_slot_size)):
             if k > data_cfg.max_length:
                 raise ConfigError(
                     f"config key '{key}' has a slot size {k} larger than data.max_length={data_cfg.max_length}"

@@ -246,7 +246,8 @@ def save_base_and_adapter(peft_model: PeftModel, out_dir: str | Path,
             continue
         base_state[name.removeprefix("base_model.model.").replace(".base_layer.", ".")] = tensor
     metadata = CheckpointMetadata.of_model(base_model)
-    metadata.updated(mask_token_id=gate_holder(peft_model).mask_token_id, gated_lora_adapter=ADAPTER_SUBDIR).write_to(base_model)
+    metadata.updated(mask_token_id=gate_holder(peft_model).mask_token_id,
+                     gated_lora_adapter=ADAPTER_SUBDIR).write_to(base_model)
     base_model.save_pretrained(str(out_dir), state_dict=base_state, safe_serialization=True)
     save_gated_lora(peft_model, out_dir / ADAPTER_SUBDIR, state)
 

@@ -77,7 +77,8 @@ def resolve_attn_implementation(name: str, on_gpu: bool, needs_custom_mask: bool
             return COMPILED_FLEX_BACKEND
         return "flash_attention_2" if _has_flash_attn() else "sdpa"
     if name == "flash_attention_2" and not (on_gpu and _has_flash_attn()):
-        raise ConfigError("model.attn_implementation=flash_attention_2 needs a CUDA GPU and the 'gpu' extra (flash-attn)")
+        raise ConfigError("model.attn_implementation=flash_attention_2 needs a CUDA GPU and the 'gpu' extra "
+                          "(flash-attn)")
     if name in FLEX_BACKENDS and not on_gpu:
         raise ConfigError(
             f"model.attn_implementation={name} needs a CUDA GPU (FlexAttention has no CPU backward); use sdpa on CPU"
@@ -109,7 +110,8 @@ def check_attn_implementation(name: str, key: str) -> None:
     not a list. :class:`ConfigError` naming ``key`` otherwise."""
     registered = sorted(AttentionInterface().keys())
     if name not in ("auto", "eager") and name not in registered:
-        raise ConfigError(f"config key '{key}' = {name!r}; expected auto, eager or a registered attention: {registered}")
+        raise ConfigError(f"config key '{key}' = {name!r}; expected auto, eager or a registered attention: "
+                          f"{registered}")
 
 
 def _has_flash_attn() -> bool:
@@ -153,7 +155,8 @@ def load_model(model_cfg, tokenizer, dtype: torch.dtype, attn_implementation: st
         check_checkpoint_files(path, "model.path")
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=model_cfg.trust_remote_code
+                path, dtype=dtype, attn_implementation=attn_implementation,
+                trust_remote_code=model_cfg.trust_remote_code
             )
         except (OSError, ValueError, RuntimeError) as err:
             raise CheckpointError(f"model.path={path}: could not load the model: {err}") from err
@@ -244,7 +247,11 @@ def check_tokenizer_matches(model, tokenizer, where: str) -> None:
     if recorded is None:
         return
     token_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
-    if token_id is None or token_id == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(token_id) != MASK_TOKEN:
+    if (
+        token_id is None
+        or token_id == tokenizer.unk_token_id
+        or tokenizer.convert_ids_to_tokens(token_id) != MASK_TOKEN
+    ):
         raise CheckpointError(
             f"config.json of {where} records {METADATA_KEY}.mask_token_id={recorded} but the tokenizer has no "
             f"{MASK_TOKEN} token"
@@ -288,7 +295,8 @@ def mask_token_id(model, tokenizer=None) -> int:
     if tokenizer is not None:
         tok_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
         if tok_id != recorded or tok_id == tokenizer.unk_token_id:
-            raise ConfigError(f"mask token mismatch: config records {recorded}, tokenizer maps {MASK_TOKEN} to {tok_id}")
+            raise ConfigError(f"mask token mismatch: config records {recorded}, tokenizer maps {MASK_TOKEN} to "
+                              f"{tok_id}")
     return recorded
 
 

@@ -206,7 +206,8 @@ def _check_values(cfg: DictConfig) -> None:
     """What the field types and ranges (``check_config``) cannot say."""
     check_attn_implementation(cfg.model.attn_implementation, "model.attn_implementation")
     if cfg.model.path is None and cfg.model.config is None:
-        raise ConfigError("set 'model.path' (a local HF checkpoint) or 'model.config' (a tiny model), e.g. model=tiny_qwen3")
+        raise ConfigError("set 'model.path' (a local HF checkpoint) or 'model.config' (a tiny model), "
+                          "e.g. model=tiny_qwen3")
     if len(cfg.trainer.betas) != 2:
         raise ConfigError(f"config key 'trainer.betas' = {list(cfg.trainer.betas)}; expected two values in [0, 1), "
                           "e.g. [0.9, 0.95]")
@@ -259,11 +260,13 @@ def _check_stage_shadowing(cfg: DictConfig, overrides: Sequence[str]) -> None:
                     if not o.is_delete()})
     for key in given:
         if key == "trainer.max_steps":
-            by = {i: f"recipe.stages[{i}].max_steps = {st['max_steps']}" for i, st in enumerate(stages) if "max_steps" in st}
+            by = {i: f"recipe.stages[{i}].max_steps = {st['max_steps']}" for i, st in enumerate(stages)
+                  if "max_steps" in st}
         elif key.startswith("recipe.") and key.split(".")[1] != "stages":
             sub = key[len("recipe."):]
             by = {i: f"recipe.stages[{i}].overrides.{k} = {v}" for i, st in enumerate(stages)
-                  for k, v in (st.get("overrides") or {}).items() if k == sub or sub.startswith(k + ".") or k.startswith(sub + ".")}
+                  for k, v in (st.get("overrides") or {}).items()
+                  if k == sub or sub.startswith(k + ".") or k.startswith(sub + ".")}
         else:
             continue
         if not by:

@@ -99,7 +99,8 @@ def _refuse_derived(extra: dict[str, Any]) -> None:
     found += [f"'deepspeed.extra.zero_optimization.{key}' (set {instead})"
               for key, instead in DERIVED_ZERO.items() if key in (zero or {})]
     if found:
-        raise ConfigError("config keys derived by the trainer cannot be set through deepspeed.extra: " + "; ".join(found))
+        raise ConfigError("config keys derived by the trainer cannot be set through deepspeed.extra: "
+                          + "; ".join(found))
 
 
 class _Recorder(dict):
@@ -163,7 +164,8 @@ def check_deepspeed_config(cfg) -> None:
         DeepSpeedConfig(_Recorder(config, seen))
     except Exception as err:  # noqa: BLE001 (pydantic ValidationError, AssertionError, ValueError ...)
         detail = " ".join(line.strip() for line in str(err).splitlines() if "errors.pydantic.dev" not in line)
-        raise ConfigError(f"config key 'deepspeed.extra': DeepSpeed rejects the config: {type(err).__name__}: {detail}") from None
+        raise ConfigError(f"config key 'deepspeed.extra': DeepSpeed rejects the config: "
+                          f"{type(err).__name__}: {detail}") from None
     known = seen | _READ_ELSEWHERE
     for key in extra:
         if key not in known:

@@ -93,7 +93,8 @@ def expand_stages(cfg: DictConfig) -> list[DictConfig]:
     for i, stage in enumerate(stages):
         unknown = set(stage) - {"name", "max_steps", "overrides"}
         if unknown:
-            raise ConfigError(f"recipe.stages[{i}]: unknown keys {sorted(unknown)} (allowed: name, max_steps, overrides)")
+            raise ConfigError(f"recipe.stages[{i}]: unknown keys {sorted(unknown)} "
+                              "(allowed: name, max_steps, overrides)")
         stage_cfg = cfg.copy()
         OmegaConf.set_struct(stage_cfg, True)
         name = stage.get("name", f"stage{i}")
@@ -160,7 +161,8 @@ def _run_stages(stages: list[DictConfig], dist_info: DistInfo, root: Path) -> St
         done = _done_step(stage_dir)
         if done is not None and stage_cfg.trainer.resume == "auto":
             what = f"stage {i} ({stage_dir})" if len(stages) > 1 else str(stage_dir)
-            notes = run_on_main(partial(check_resume_config, stage_dir / CONFIG_FILE, stage_cfg, what), dist_info.is_main)
+            notes = run_on_main(partial(check_resume_config, stage_dir / CONFIG_FILE, stage_cfg, what),
+                                dist_info.is_main)
             if dist_info.is_main:
                 for note in notes or []:
                     log.warning(note)
@@ -224,7 +226,8 @@ def _plan(cfg: DictConfig, run_dir: Path):
     return plan
 
 
-def _fingerprint(cfg: DictConfig, resume_dir: Path | None, tokenized, tokenizer_print: dict[str, Any]) -> dict[str, Any]:
+def _fingerprint(cfg: DictConfig, resume_dir: Path | None, tokenized,
+                 tokenizer_print: dict[str, Any]) -> dict[str, Any]:
     """Rank 0: the fingerprint of this stage's data and tokenizer, which every checkpoint records; a
     resume on other data refuses, naming the change, unless ``trainer.allow_data_change`` (logged)."""
     current = run_fingerprint(cfg.data, tokenized, tokenizer_print)
@@ -327,7 +330,8 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo, stop_dir: Path | None = No
         partitioned weights on all ranks, so every rank decodes every prompt."""
         from pardec.inference.evaluate import evaluate_model
 
-        decoder = {"name": cfg.eval.decoder, "max_new_tokens": cfg.eval.max_new_tokens, "batch_size": cfg.eval.batch_size}
+        decoder = {"name": cfg.eval.decoder, "max_new_tokens": cfg.eval.max_new_tokens,
+                   "batch_size": cfg.eval.batch_size}
         metrics = evaluate_model(engine.module, tokenizer, eval_rows, decoder, template=cfg.data.template,
                                  agreement=False, shard=cfg.deepspeed.stage != 3)
         logger.log(step, {f"eval/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
@@ -335,7 +339,8 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo, stop_dir: Path | None = No
 
     def export(name: str) -> Path:
         record = CheckpointMetadata.of_model(engine.module)
-        record.updated(**method.export_metadata(), base_model=cfg.model.path, command=_command()).write_to(engine.module)
+        record.updated(**method.export_metadata(), base_model=cfg.model.path,
+                       command=_command()).write_to(engine.module)
         return export_hf(engine.module, tokenizer, run_dir / name, cfg.deepspeed.stage, dist_info.rank)
 
     # 4. the loop

@@ -73,7 +73,8 @@ the TPF over all forwards and over DLM forwards alone.
 (:class:`RevisionLog`; all zero for the non-revocable decoders here, whose commits never change)
 and ``tokens_per_step``; ``summarize`` adds their per-sample means and the pooled
 effective-revision ratio (:func:`revision_summary`). The revocable decoders are
-:mod:`pardec.inference.decoders.cover`, :mod:`pardec.inference.decoders.wino` and :mod:`pardec.inference.decoders.saber`.
+:mod:`pardec.inference.decoders.cover`, :mod:`pardec.inference.decoders.wino` and
+:mod:`pardec.inference.decoders.saber`.
 """
 
 from __future__ import annotations

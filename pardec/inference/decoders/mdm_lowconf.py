@@ -55,7 +55,8 @@ class MDMLowConfDecoder(MDMDecoder):
         steps = self.cfg.steps_per_block or run.block
         if steps > run.block:
             raise ConfigError(
-                f"config key 'decoder.steps_per_block' = {steps} > the block size {run.block}: a step would commit nothing"
+                f"config key 'decoder.steps_per_block' = {steps} > the block size {run.block}: "
+                "a step would commit nothing"
             )
         schedule = tokens_per_step(run.block, steps)
         k = min(schedule[step] if step < steps else 1, int(masked.sum()))

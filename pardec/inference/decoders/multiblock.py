@@ -191,7 +191,8 @@ def forward_branches(
     positions_t = torch.tensor([positions], dtype=torch.long, device=device)  # [1, q]
     branch_t = torch.tensor([branch], dtype=torch.long, device=device)  # [1, q]
     q_len = len(ids)
-    block = additive_mask(multiblock_mask(branch_t, positions_t, 0), 1, q_len, q_len, model.dtype, device)  # [1, 1, q, q]
+    block = additive_mask(multiblock_mask(branch_t, positions_t, 0), 1, q_len, q_len,
+                          model.dtype, device)  # [1, 1, q, q]
     logits = steps.forward(ids, block, [p - (position - 1) for p in positions])  # [q, V]
     pred = logits.argmax(dim=-1).tolist()  # [q]
     return BranchPredictions(

@@ -191,7 +191,8 @@ class _Context:
                  steps: DynamicSteps | StaticSteps | None):
         self.model, self.kv_reuse, self.steps = model, kv_reuse, steps
         self.device = model_device(model)
-        self.ids, self.pos, self.groups = list(prompt_prefix), list(range(len(prompt_prefix))), [SHARED] * len(prompt_prefix)
+        self.ids, self.pos, self.groups = (list(prompt_prefix), list(range(len(prompt_prefix))),
+                                           [SHARED] * len(prompt_prefix))
         if kv_reuse:
             steps.reset(prompt_prefix)
 
