@@ -298,6 +298,13 @@ def test_resume_changes_split_safe_and_unsafe_keys():
     assert applied == ["eval.every: 0 -> 1", "trainer.log_every: 1 -> 2", "trainer.max_steps: 3 -> 5"]
 
 
+def test_runs_saved_with_the_removed_num_workers_key_resume():
+    """trainer.num_workers never did anything and was removed (typing it now fails at start like any
+    unknown key); a checkpoint whose saved config has it still resumes: its removal is a safe change."""
+    applied, refused = resume_changes({"trainer": {"lr": 1e-3, "num_workers": 0}}, {"trainer": {"lr": 1e-3}})
+    assert (applied, refused) == (["trainer.num_workers: 0 -> '<unset>'"], [])
+
+
 def test_shutil_free_of_leftovers_after_prune(tmp_path):
     """Pruning renames to *.deleting first; a leftover from a kill is cleaned on the next start."""
     root = tmp_path / "checkpoints"

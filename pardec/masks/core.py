@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable, Mapping
+from typing import Callable
 
 import torch
 
@@ -196,8 +196,3 @@ def causal_document(segment_ids: torch.Tensor) -> MaskMod:
 
 def causal_document_spec(segment_ids: torch.Tensor) -> AttentionSpec:
     return AttentionSpec(causal_document, {"segment_ids": segment_ids}, causal_document=True)
-
-
-def metadata_batch(items: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Stack per-row metadata dicts of equal length into ``[b, s]`` tensors."""
-    return {k: torch.stack([it[k] for it in items]) for k in items[0]}

@@ -92,7 +92,6 @@ class TrainerConfig:
     # Stop (with a checkpoint) after this many optimiser steps in this process; for tests and
     # preemption drills. null = run to max_steps.
     stop_after_steps: Optional[int] = ranged(None, ge=1)
-    num_workers: int = ranged(0, ge=0)
     # Resume even though the training data or tokenizer differ from what the checkpoint records
     # (pardec.trainers.fingerprint): the change is logged. false = such a resume is refused.
     allow_data_change: bool = False
@@ -343,7 +342,7 @@ SAFE_TO_CHANGE_ON_RESUME = (
     "trainer.save_every",
     "trainer.export_every",
     "trainer.keep_checkpoints",
-    "trainer.num_workers",
+    "trainer.num_workers",  # removed (it never did anything); listed so that runs saved with it resume
     "trainer.allow_data_change",  # the data check itself (pardec.trainers.fingerprint)
     "model.gradient_checkpointing",
     "model.attn_implementation",

@@ -460,12 +460,6 @@ class BlockRun:
                 return True
         return False
 
-    def committed_prefix(self) -> int:
-        """Number of leading generated positions already committed."""
-        gen = self.x[self.prompt_len :]
-        masked = (gen == self.info.mask_id).nonzero()
-        return int(masked[0]) if masked.numel() else gen.numel()
-
     def output(self, eos: set[int]) -> list[int]:
         gen = self.x[self.prompt_len :].tolist()
         out = []
