@@ -298,6 +298,18 @@ def test_resume_changes_split_safe_and_unsafe_keys():
     assert applied == ["eval.every: 0 -> 1", "trainer.log_every: 1 -> 2", "trainer.max_steps: 3 -> 5"]
 
 
+def test_runs_saved_before_model_lora_existed_resume():
+    """model.lora was added later: a saved config without it resumes when the key is at its default
+    (full fine-tuning, the only behaviour then), and is refused when the resume would turn LoRA on."""
+    saved = {"trainer": {"lr": 1e-3}, "model": {"path": "base"}}
+    new = {"trainer": {"lr": 1e-3}, "model": {"path": "base", "lora": {
+        "rank": None, "alpha": None, "dropout": 0.0,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}}}
+    assert resume_changes(saved, new) == ([], [])
+    new["model"]["lora"]["rank"] = 8
+    assert resume_changes(saved, new) == ([], ["model.lora.rank: '<unset>' -> 8"])
+
+
 def test_runs_saved_with_the_removed_num_workers_key_resume():
     """trainer.num_workers never did anything and was removed (typing it now fails at start like any
     unknown key); a checkpoint whose saved config has it still resumes: its removal is a safe change."""

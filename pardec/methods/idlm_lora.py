@@ -44,6 +44,7 @@ from pardec.common.errors import ConfigError
 from pardec.common.metadata import CheckpointMetadata
 from pardec.methods.idlm import IDLMConfig, IDLMMethod
 from pardec.models.gated_lora import save_base_and_adapter, wrap_gated_lora
+from pardec.models.lora import PROJECTIONS
 
 _PREFIX = "peft_model."
 
@@ -58,8 +59,7 @@ class IDLMLoraConfig(IDLMConfig):
     lora_alpha: float = ranged(128.0, gt=0)
     lora_dropout: float = ranged(0.0, ge=0, lt=1)
     # Linear layers that get the gated LoRA (PEFT target_modules: name suffixes).
-    target_modules: List[str] = field(default_factory=lambda: [
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    target_modules: List[str] = field(default_factory=lambda: list(PROJECTIONS))
 
 
 class GatedLoraTrainingModule(torch.nn.Module):

@@ -62,6 +62,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from pardec.common.constants import MASK_TOKEN, METADATA_KEY
 from pardec.common.errors import CheckpointError, ConfigError
 from pardec.common.metadata import CheckpointMetadata
+from pardec.models.lora import base_state_dict
 
 GATED_LORA_FILE = "gated_lora.json"
 ADAPTER_SUBDIR = "adapter"
@@ -240,11 +241,7 @@ def save_base_and_adapter(peft_model: PeftModel, out_dir: str | Path,
     out_dir = Path(out_dir)
     state = peft_model.state_dict() if state_dict is None else state_dict
     base_model = peft_model.get_base_model()
-    base_state = {}
-    for name, tensor in state.items():
-        if ".lora_A." in name or ".lora_B." in name:
-            continue
-        base_state[name.removeprefix("base_model.model.").replace(".base_layer.", ".")] = tensor
+    base_state = base_state_dict(state)
     metadata = CheckpointMetadata.of_model(base_model)
     metadata.updated(mask_token_id=gate_holder(peft_model).mask_token_id,
                      gated_lora_adapter=ADAPTER_SUBDIR).write_to(base_model)

@@ -22,9 +22,22 @@ from pardec.common.config_fields import Choice, check_config, ranged
 from pardec.common.errors import ConfigError
 from pardec.data_pipelines.config import DataConfig
 from pardec.models.loading import DType, check_attn_implementation
+from pardec.models.lora import PROJECTIONS
 from pardec.trainers.checkpoint import OnExisting
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoraTrainingConfig:
+    # null = train every weight; r = a plain LoRA of rank r on target_modules, every other weight
+    # (the <|mask|> row included) frozen, merged into the export (pardec.models.lora).
+    rank: Optional[int] = ranged(None, ge=1, note="null = full fine-tuning")
+    # LoRA alpha (the residual's scale is alpha / rank); null = rank (scale 1).
+    alpha: Optional[float] = ranged(None, gt=0)
+    dropout: float = ranged(0.0, ge=0, lt=1)
+    # Linear layers that get the LoRA (PEFT target_modules: name suffixes).
+    target_modules: List[str] = field(default_factory=lambda: list(PROJECTIONS))
 
 
 @dataclass
@@ -50,6 +63,8 @@ class ModelConfig:
     # attn_implementation=pardec_flex, grouped-query models: copy K/V to every query head before the
     # kernel instead of grouping heads inside it (pardec.models.flex_attention.configure says why it can pay).
     flex_repeat_kv: bool = False
+    # LoRA training instead of full fine-tuning (docs/guide/configuration.md#lora-training).
+    lora: LoraTrainingConfig = field(default_factory=LoraTrainingConfig)
 
 
 class LRSchedule(Choice):
@@ -207,6 +222,12 @@ def _check_values(cfg: DictConfig) -> None:
     if cfg.model.path is None and cfg.model.config is None:
         raise ConfigError("set 'model.path' (a local HF checkpoint) or 'model.config' (a tiny model), "
                           "e.g. model=tiny_qwen3")
+    if cfg.model.lora.rank is not None and cfg.recipe.name == "idlm_lora":
+        raise ConfigError(f"config key 'model.lora.rank' = {cfg.model.lora.rank} with recipe=idlm_lora: that recipe "
+                          "trains its own gated LoRA (recipe.lora_rank); set model.lora.rank=null")
+    if cfg.model.lora.rank is not None and not cfg.model.lora.target_modules:
+        raise ConfigError("config key 'model.lora.target_modules' is empty: name the linear layers the LoRA goes on, "
+                          f"e.g. {list(PROJECTIONS)}")
     if len(cfg.trainer.betas) != 2:
         raise ConfigError(f"config key 'trainer.betas' = {list(cfg.trainer.betas)}; expected two values in [0, 1), "
                           "e.g. [0.9, 0.95]")
@@ -378,9 +399,12 @@ def resume_changes(saved: dict[str, Any], new: dict[str, Any]) -> tuple[list[str
     """(applied, refused): ``"key: old -> new"`` for every key that differs between the config a
     checkpoint was written with and the config resuming it."""
     a, b = _flatten(saved), _flatten(new)
+    defaults = _flatten(OmegaConf.to_container(OmegaConf.structured(TrainConfig), enum_to_str=True))
     applied, refused = [], []
     for key in sorted(set(a) | set(b)):
         old, cur = a.get(key, "<unset>"), b.get(key, "<unset>")
+        if old == "<unset>" and key in defaults and cur == defaults[key]:
+            continue  # a key added to pardec after the run was saved, at its default (the old behaviour)
         if old != cur:
             (applied if _is_safe(key) else refused).append(f"{key}: {old!r} -> {cur!r}")
     return applied, refused

@@ -39,6 +39,7 @@ from pardec.models.loading import (
     resolve_attn_implementation,
     resolve_dtype,
 )
+from pardec.models.lora import wrap_lora
 from pardec.trainers.checkpoint import (
     CHECKPOINTS,
     CONFIG_FILE,
@@ -293,6 +294,9 @@ def train_stage(cfg: DictConfig, dist_info: DistInfo, stop_dir: Path | None = No
         hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841 (must stay alive while loading)
     model = load_model(cfg.model, tokenizer, dtype, attn_impl)
     model = method.prepare_model(model)
+    if cfg.model.lora.rank is not None:  # everything the method prepared frozen, a LoRA on top, merged at export
+        lora = cfg.model.lora
+        model = wrap_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules, cfg.trainer.seed)
     _record_export_kind(cfg, method, model)
     train_ds = method.build_train_dataset(tokenized, cfg.data, model)
     optimizer = _build_optimizer(model, cfg, on_gpu)
