@@ -34,19 +34,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List
+from typing import List
 
 import torch
-from peft import LoraConfig, PeftModel
+from peft import LoraConfig
 
 from pardec.common.config_fields import ranged
 from pardec.common.errors import ConfigError
 from pardec.common.metadata import CheckpointMetadata
 from pardec.methods.idlm import IDLMConfig, IDLMMethod
 from pardec.models.gated_lora import save_base_and_adapter, wrap_gated_lora
-from pardec.models.lora import PROJECTIONS
-
-_PREFIX = "peft_model."
+from pardec.models.lora import PROJECTIONS, PeftTrainingModule
 
 
 @dataclass
@@ -62,29 +60,14 @@ class IDLMLoraConfig(IDLMConfig):
     target_modules: List[str] = field(default_factory=lambda: list(PROJECTIONS))
 
 
-class GatedLoraTrainingModule(torch.nn.Module):
-    """The module the trainer wraps with DeepSpeed: calls the gated PeftModel; ``config`` is the
-    base model's config (so the method's metadata lands in the exported ``config.json``);
-    ``save_pretrained`` writes base + ``adapter/`` instead of PEFT's adapter-only save."""
+class GatedLoraTrainingModule(PeftTrainingModule):
+    """R-ISD's training module: ``save_pretrained`` writes base + ``adapter/`` instead of PEFT's
+    adapter-only save (the method's metadata lands in the exported ``config.json``)."""
 
-    def __init__(self, peft_model: PeftModel):
-        super().__init__()
-        self.peft_model = peft_model
+    export_name = "gated LoRA"
 
-    @property
-    def config(self):
-        return self.peft_model.get_base_model().config
-
-    def forward(self, *args: Any, **kwargs: Any):
-        return self.peft_model(*args, **kwargs)
-
-    def save_pretrained(self, save_directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None,
-                        safe_serialization: bool = True) -> None:
-        """``state_dict``: this module's full state dict (gathered under ZeRO-3), or None for the live one."""
-        if not safe_serialization:
-            raise ValueError("gated LoRA exports are written as safetensors only (safe_serialization=True)")
-        state = None if state_dict is None else {k.removeprefix(_PREFIX): v for k, v in state_dict.items()}
-        save_base_and_adapter(self.peft_model, save_directory, state)
+    def export(self, directory: Path, state: dict[str, torch.Tensor]) -> None:
+        save_base_and_adapter(self.peft_model, directory, state)
 
 
 class IDLMLoraMethod(IDLMMethod):

@@ -69,10 +69,13 @@ def merged_state_dict(state: dict[str, torch.Tensor], scaling: float,
     return merged
 
 
-class MergedLoraModule(torch.nn.Module):
-    """The module the trainer wraps with DeepSpeed: calls the PeftModel; ``config`` is the base model's
-    (the method's metadata and the attention backend are read and written there); ``save_pretrained``
-    writes the merged base as a plain HF checkpoint."""
+class PeftTrainingModule(torch.nn.Module):
+    """The module the trainer wraps with DeepSpeed around a PeftModel: ``forward`` calls it; ``config``
+    is the base model's (the method's metadata and the attention backend are read and written there);
+    ``save_pretrained`` hands the PeftModel's state dict to :meth:`export`, which writes the subclass's
+    export layout (merged here, base + adapter for R-ISD's gated LoRA)."""
+
+    export_name = "LoRA"  # names the export in the safetensors-only error
 
     def __init__(self, peft_model: PeftModel):
         super().__init__()
@@ -82,11 +85,6 @@ class MergedLoraModule(torch.nn.Module):
     def config(self):
         return self.peft_model.get_base_model().config
 
-    @property
-    def scaling(self) -> float:
-        lora = self.peft_model.peft_config[ADAPTER]
-        return lora.lora_alpha / lora.r
-
     def forward(self, *args: Any, **kwargs: Any):
         return self.peft_model(*args, **kwargs)
 
@@ -94,13 +92,29 @@ class MergedLoraModule(torch.nn.Module):
                         safe_serialization: bool = True) -> None:
         """``state_dict``: this module's full state dict (gathered under ZeRO-3), or None for the live one."""
         if not safe_serialization:
-            raise ValueError("merged LoRA exports are written as safetensors only (safe_serialization=True)")
+            raise ValueError(f"{self.export_name} exports are written as safetensors only (safe_serialization=True)")
         prefix = "peft_model."
         state = self.peft_model.state_dict() if state_dict is None else {
             k.removeprefix(prefix): v for k, v in state_dict.items()}
+        self.export(Path(save_directory), state)
+
+    def export(self, directory: Path, state: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+
+class MergedLoraModule(PeftTrainingModule):
+    """Plain LoRA training: the export is the merged base, a plain HF checkpoint."""
+
+    export_name = "merged LoRA"
+
+    @property
+    def scaling(self) -> float:
+        lora = self.peft_model.peft_config[ADAPTER]
+        return lora.lora_alpha / lora.r
+
+    def export(self, directory: Path, state: dict[str, torch.Tensor]) -> None:
         base = self.peft_model.get_base_model()
-        base.save_pretrained(str(save_directory), state_dict=merged_state_dict(state, self.scaling),
-                             safe_serialization=True)
+        base.save_pretrained(str(directory), state_dict=merged_state_dict(state, self.scaling), safe_serialization=True)
 
 
 def wrap_lora(model: torch.nn.Module, rank: int, alpha: float | None, dropout: float,
