@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from pardec.common.constants import MASK_TOKEN
 from pardec.common.errors import ConfigError
 from pardec.inference.checkpoint import load_checkpoint
+from pardec.methods.idlm_lora import GatedLoraTrainingModule
 from pardec.models.lora import PROJECTIONS, MergedLoraModule, merged_state_dict, wrap_lora
 from tests.test_idlm_batch import tiny_model
 from tests.train_utils import exported_weights, run_in_process, save_tiny_base
@@ -54,6 +55,14 @@ def test_missing_lora_b_is_named():
     del state[victim]
     with pytest.raises(KeyError, match=victim.replace(".", r"\.")):
         merged_state_dict(state, scaling=1.0)
+
+
+def test_exports_refuse_pickle_naming_the_export(tmp_path):
+    for module, name in ((MergedLoraModule(random_lora("qwen3")), "merged LoRA"),
+                         (GatedLoraTrainingModule(random_lora("qwen3")), "gated LoRA")):
+        with pytest.raises(ValueError, match=f"{name} exports are written as safetensors only"):
+            module.save_pretrained(tmp_path, safe_serialization=False)
+    assert not any(tmp_path.iterdir())
 
 
 def test_wrap_lora_freezes_everything_else():
