@@ -137,3 +137,54 @@ def test_progress_line_skips_python_warnings(tmp_path):
     log.write_text(log.read_text() + "step 10 loss 1.97\n")
     assert reproduce.last_line(log) == "step 10 loss 1.97"
     assert reproduce.last_line(tmp_path / "missing.log") == ""
+
+
+def test_chunk_dir_moves_the_mdm_tables_chunks_and_is_for_real_only(pipeline, monkeypatch, capsys):
+    """--real --chunk-dir DIR gives each chunked benchmark DIR/<its chunk directory's name>; the other steps'
+    commands are unchanged; without --real it is refused."""
+    chunked = [s for s in reproduce.REAL_STEPS if "--chunk-dir" in s.command]
+    assert {s.name: reproduce.chunk_dir_of(s) for s in chunked} == {
+        name: f"{reproduce.REAL_CHUNKS}/{name}" for name in ("cpu_mdm_flashdlm", "cpu_cover")}
+    for step in reproduce.REAL_STEPS:
+        moved = reproduce.with_chunk_root(step, "elsewhere/chunks")
+        if step in chunked:
+            old, new = reproduce.chunk_dir_of(step), reproduce.chunk_dir_of(moved)
+            assert new == "elsewhere/chunks/" + old.rsplit("/", 1)[1]
+            assert [a for a in moved.command if a != new] == [a for a in step.command if a != old]
+        else:
+            assert moved == step
+    monkeypatch.setattr(reproduce, "REAL_STEPS", tuple(chunked))
+    monkeypatch.setattr(reproduce, "inputs_digest", lambda step: "x")  # no DONE files in tmp_path
+    reproduce.main(["--real", "--chunk-dir", "elsewhere/chunks", "--dry-run"])
+    out = capsys.readouterr().out
+    assert "--chunk-dir elsewhere/chunks/cpu_mdm_flashdlm" in out and "--chunk-dir elsewhere/chunks/cpu_cover" in out
+    assert reproduce.REAL_CHUNKS not in out
+    with pytest.raises(SystemExit, match="--chunk-dir is for --real"):
+        reproduce.main(["--chunk-dir", "elsewhere/chunks"])
+
+
+def test_a_refused_chunk_says_how_to_decode_anew(pipeline, monkeypatch):
+    """A chunked step whose benchmark stopped on a chunk of another setting (the benchmark's own error, from
+    pardec.benchmarks.chunks.read_chunk) is told to use --chunk-dir, not to re-run; any other failure, even
+    after a refusal earlier in the same (appended) log, is told to re-run to resume."""
+    from pardec.benchmarks import chunks
+
+    chunk_dir = pipeline / "committed"
+    chunk_dir.mkdir()
+    (chunk_dir / "0000-0001.json").write_text(json.dumps({"fingerprint": {"threads": 1}, "rows": {}}))
+    refuse = py(f"from pardec.benchmarks import chunks; chunks.read_chunk(__import__('pathlib').Path("
+                f"{str(chunk_dir / '0000-0001.json')!r}), {{'threads': 2}})")
+    step = reproduce.Step("cpu_cover", [*refuse, "--chunk-dir", "committed"])
+    monkeypatch.setattr(reproduce, "REAL_STEPS", (step,))
+    with pytest.raises(SystemExit) as refused:
+        reproduce.main(["--real"])
+    message = str(refused.value)
+    assert "refused a chunk in committed" in message and "threads" not in message
+    assert f"--chunk-dir {reproduce.LOCAL_CHUNKS}" in message and "re-run the same command to resume" not in message
+    assert chunks.REFUSED in (pipeline / "runs/reproduce_real/logs/cpu_cover.log").read_text()
+    with pytest.raises(SystemExit, match="--chunk-dir another directory"):
+        reproduce.main(["--real", "--chunk-dir", reproduce.LOCAL_CHUNKS])
+    monkeypatch.setattr(reproduce, "REAL_STEPS", (reproduce.Step("cpu_cover", [*py("raise SystemExit(3)"),
+                                                                            "--chunk-dir", "committed"]),))
+    with pytest.raises(SystemExit, match="exit code 3 .*re-run the same command to resume"):
+        reproduce.main(["--real"])

@@ -40,6 +40,9 @@ from pardec.trainers.checkpoint import compute_checksums
 
 Records = dict[str, list[dict]]  # row key -> one record per problem (pardec.inference.evaluate's records)
 Machine = dict[str, str | None]  # pardec.benchmarks.common.current_machine(): cpu, gpu, torch
+# What the error for a chunk of another setting says (read_chunk); pardec.cli.reproduce looks for it in a
+# failed step's log to say how to decode anew.
+REFUSED = "was made by another setting"
 
 
 def chunk_bounds(num_problems: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -142,7 +145,7 @@ def read_chunk(path: Path, fingerprint: dict[str, Any]) -> tuple[Records, Machin
     current = json.loads(json.dumps(fingerprint))  # as saved: tuples read back as lists
     if saved.get("fingerprint") != current:
         differences = fingerprint_differences(saved.get("fingerprint") or {}, current)
-        raise ValueError(f"chunk file {path} was made by another setting ({differences}): use another "
+        raise ValueError(f"chunk file {path} {REFUSED} ({differences}): use another "
                          f"--chunk-dir, or delete the chunks to start over")
     return saved["rows"], saved.get("machine")
 

@@ -1,5 +1,5 @@
 # bash scripts/reproduce.sh [--real]
-#   (or: .venv/bin/python -m pardec.cli.reproduce [--real] [--only NAME ...] [--dry-run])
+#   (or: .venv/bin/python -m pardec.cli.reproduce [--real [--chunk-dir DIR]] [--only NAME ...] [--dry-run])
 """Reproduce the summary table (docs/results/summary.md) on one machine: the embedded default base, each conversion
 (I-DLM, R-ISD, Jacobi Forcing, ReFusion, MDM), each method's benchmark and the summary table.
 
@@ -7,7 +7,11 @@
 fine-tuned, converted, benchmarked on the 200 test problems and summarised in
 ``benchmarks/results/real/summary.md``; its state is ``runs/reproduce_real/`` and its steps use both cores
 (``--threads``, default 2): with a 135M model two threads decode and train faster than one, and nothing
-else runs beside a step.
+else runs beside a step. Its MDM tables (FlashDLM, COVER) decode in chunks kept under
+``benchmarks/results/real/chunks/`` (committed; :mod:`pardec.benchmarks.chunks`), which a re-built
+checkpoint of the same bytes goes on from; a base re-built on another kind of CPU has other bytes, the
+benchmark refuses those chunks, and ``--chunk-dir DIR`` (e.g. ``runs/reproduce_real/chunks``) decodes
+the tables anew with chunks kept under ``DIR``, leaving the committed ones as they are.
 
 Steps run in order, each as its own process, with its output in ``runs/reproduce/logs/<step>.log``,
 single-threaded (``OMP_NUM_THREADS=1``, benchmarks ``--threads 1``): on the 2-core machine torch's
@@ -37,6 +41,7 @@ import threading
 import time
 from pathlib import Path
 
+from pardec.benchmarks.chunks import REFUSED
 from pardec.common.run_records import machine_description, set_entry
 
 STATE = Path("runs/reproduce")
@@ -98,6 +103,8 @@ STEPS: tuple[Step, ...] = (
 
 SMOLLM2 = "runs/smollm2_sft"
 REAL = "benchmarks/results/real"
+REAL_CHUNKS = f"{REAL}/chunks"  # committed; --chunk-dir moves each step's chunk directory elsewhere
+LOCAL_CHUNKS = "runs/reproduce_real/chunks"  # what a refused step suggests as --chunk-dir
 REAL_JACOBI = "runs/smollm2_jacobi_forcing/stages/00-round1"
 REAL_IDLM = "runs/smollm2_idlm/stages/02-stride4"
 REAL_STEPS: tuple[Step, ...] = (
@@ -146,11 +153,11 @@ REAL_STEPS: tuple[Step, ...] = (
     # checkpoints are the same bytes (the chunks name them by sha256; pardec.benchmarks.chunks).
     bench("cpu_mdm_flashdlm", ["--base", f"{SMOLLM2}/hf", "--mdm", "runs/smollm2_mdm/hf", "--num-samples", "200",
                                "--rows", "ar,lowconf1,threshold,fc_refresh,fc_guided_strict,guided_shifted",
-                               "--chunk-dir", f"{REAL}/chunks/cpu_mdm_flashdlm", "--chunk-size", "10",
+                               "--chunk-dir", f"{REAL_CHUNKS}/cpu_mdm_flashdlm", "--chunk-size", "10",
                                "--threads", "2", "--out", f"{REAL}/cpu_mdm_flashdlm"],
           (SMOLLM2, "runs/smollm2_mdm"), module="pardec.benchmarks.mdm_flashdlm"),
     bench("cpu_cover", ["--mdm", "runs/smollm2_mdm/hf", "--base", f"{SMOLLM2}/hf", "--num-samples", "200",
-                        "--num-validation", "5", "--chunk-dir", f"{REAL}/chunks/cpu_cover",
+                        "--num-validation", "5", "--chunk-dir", f"{REAL_CHUNKS}/cpu_cover",
                         "--chunk-size", "10", "--threads", "2", "--out", f"{REAL}/cpu_cover"],
           (SMOLLM2, "runs/smollm2_mdm"), module="pardec.benchmarks.cover"),
     # Block-causal (smollm2_mdm) against bidirectional (smollm2_mdm_bidir) attention, chosen on val: the
@@ -165,6 +172,39 @@ REAL_STEPS: tuple[Step, ...] = (
     bench("real_summary", [], (SMOLLM2, "runs/smollm2_risd", REAL_IDLM, "runs/smollm2_refusion", REAL_JACOBI,
                                "runs/smollm2_mdm", "runs/smollm2_mdm_bidir")),
 )
+
+
+def with_chunk_root(step: Step, root: str) -> Step:
+    """``step`` with its ``--chunk-dir`` (where it has one) moved under ``root``, keeping the directory's
+    name: ``benchmarks/results/real/chunks/cpu_cover`` -> ``<root>/cpu_cover``. The command changes, so a
+    benchmark done with other chunks runs again."""
+    command = list(step.command)
+    for i, arg in enumerate(command[:-1]):
+        if arg == "--chunk-dir":
+            command[i + 1] = str(Path(root) / Path(command[i + 1]).name)
+    return dataclasses.replace(step, command=command)
+
+
+def chunk_dir_of(step: Step) -> str | None:
+    return next((b for a, b in zip(step.command, step.command[1:]) if a == "--chunk-dir"), None)
+
+
+def failure_message(step: Step, code: int, seconds: float, log_path: Path, attempt_start: int) -> str:
+    """Why a step stopped and what to do. Running it again resumes it, except when its benchmark refused a
+    chunk made by another setting (:data:`pardec.benchmarks.chunks.REFUSED` at the end of this attempt's
+    log, which starts at byte ``attempt_start``): that refusal comes back at every run, so the message says
+    how to decode anew."""
+    chunk_dir = chunk_dir_of(step)
+    if chunk_dir is None or REFUSED not in log_tail(log_path, start=attempt_start):
+        return (f"step {step.name!r} failed with exit code {code} after {seconds:.0f} s; "
+                f"see {log_path}; re-run the same command to resume")
+    other = LOCAL_CHUNKS if not chunk_dir.startswith(LOCAL_CHUNKS) else "another directory"
+    return (f"step {step.name!r} refused a chunk in {chunk_dir}: it was made by another setting (what differs "
+            f"is at the end of {log_path}); where that is a checkpoint: one re-built on another kind of CPU has "
+            f"other bytes than the one the committed chunks name (docs/results/real_cpu.md, 'The base on other "
+            f"kinds of CPU'). "
+            f"To decode the table anew on this machine's checkpoints, keeping those chunks, run the same command "
+            f"with --chunk-dir {other} (hours on 2 cores), or delete {chunk_dir} to start over there")
 
 
 def inputs_digest(step: Step) -> str:
@@ -197,15 +237,20 @@ def mark_done(step: Step, state: Path) -> None:
 WARNING_HEADER = re.compile(r":\d+: \w*Warning: ")
 
 
+def log_tail(path: Path, size: int = 4096, start: int = 0) -> str:
+    """The last ``size`` bytes of a log after byte ``start``, "" when it cannot be read."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(start, path.stat().st_size - size))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def last_line(path: Path) -> str:
     """The log's last progress line: Python warnings (a ``file:line: XWarning: ...`` header and the
     indented source line after it) are skipped, so a deprecation warning does not stand in for progress."""
-    try:
-        with path.open("rb") as f:
-            f.seek(max(0, path.stat().st_size - 4096))
-            lines = f.read().decode(errors="replace").replace("\r", "\n").splitlines()
-    except OSError:
-        return ""
+    lines = log_tail(path).replace("\r", "\n").splitlines()
     last, after_warning = "", False
     for line in lines:
         if WARNING_HEADER.search(line):
@@ -234,6 +279,7 @@ def run_step(step: Step, index: int, total: int, heartbeat_s: float, state: Path
     with log_path.open("a") as log:
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(step.command)}\n")
         log.flush()
+        attempt_start = log.tell()
         beater = threading.Thread(target=beat, daemon=True)
         beater.start()
         try:
@@ -245,8 +291,7 @@ def run_step(step: Step, index: int, total: int, heartbeat_s: float, state: Path
     seconds = earlier + time.perf_counter() - start
     record(state, step.name, seconds, finished=code == 0)
     if code != 0:
-        raise SystemExit(f"step {step.name!r} failed with exit code {code} after {seconds:.0f} s; "
-                         f"see {log_path}; re-run the same command to resume")
+        raise SystemExit(failure_message(step, code, seconds, log_path, attempt_start))
     mark_done(step, state)
     return seconds
 
@@ -277,7 +322,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heartbeat", type=float, default=60.0, help="seconds between progress lines")
     parser.add_argument("--threads", type=int, default=None,
                         help="OMP_NUM_THREADS of every step (default: 1 for the embedded pipeline, 2 for --real)")
+    parser.add_argument("--chunk-dir", metavar="DIR",
+                        help=f"with --real: keep the MDM tables' chunks under DIR instead of {REAL_CHUNKS} (the "
+                             f"committed ones), e.g. {LOCAL_CHUNKS} where those were made with other checkpoints")
     args = parser.parse_args(argv)
+    if args.chunk_dir and not args.real:
+        raise SystemExit("--chunk-dir is for --real (the embedded pipeline decodes no chunks)")
     all_steps, state, conversions = ((REAL_STEPS, REAL_STATE, REAL_CONVERSIONS) if args.real
                                      else (STEPS, STATE, CONVERSIONS))
     threads = args.threads or (2 if args.real else 1)
@@ -285,7 +335,8 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(args.only or ()) - set(names))
     if unknown:
         raise SystemExit(f"unknown step(s) {unknown}; steps: {names}")
-    steps = [s for s in all_steps if not args.only or s.name in args.only]
+    steps = [with_chunk_root(s, args.chunk_dir) if args.chunk_dir else s
+             for s in all_steps if not args.only or s.name in args.only]
     (state / "logs").mkdir(parents=True, exist_ok=True)
     if args.dry_run:
         for i, step in enumerate(steps, 1):
