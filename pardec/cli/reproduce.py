@@ -191,11 +191,11 @@ def chunk_dir_of(step: Step) -> str | None:
 
 def failure_message(step: Step, code: int, seconds: float, log_path: Path, attempt_start: int) -> str:
     """Why a step stopped and what to do. Running it again resumes it, except when its benchmark refused a
-    chunk made by another setting (:data:`pardec.benchmarks.chunks.REFUSED` at the end of this attempt's
-    log, which starts at byte ``attempt_start``): that refusal comes back at every run, so the message says
-    how to decode anew."""
+    chunk made by another setting (:data:`pardec.benchmarks.chunks.REFUSED` in the last 64 kB of this
+    attempt's log, which starts at byte ``attempt_start``; the error's list of differences can be long):
+    that refusal comes back at every run, so the message says how to decode anew."""
     chunk_dir = chunk_dir_of(step)
-    if chunk_dir is None or REFUSED not in log_tail(log_path, start=attempt_start):
+    if chunk_dir is None or REFUSED not in log_tail(log_path, size=1 << 16, start=attempt_start):
         return (f"step {step.name!r} failed with exit code {code} after {seconds:.0f} s; "
                 f"see {log_path}; re-run the same command to resume")
     other = LOCAL_CHUNKS if not chunk_dir.startswith(LOCAL_CHUNKS) else "another directory"
