@@ -36,6 +36,21 @@ def test_resume_rebuilds_the_same_buffers(tmp_path):
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
 
 
+def test_lora_run_records_the_metadata_and_starts_at_the_full_runs_loss(tmp_path):
+    """model.lora on recipe=refusion: with B = 0 the first step sees the full run's model and the same
+    step-seeded buffers, so each loss term is the full run's; the merged export is a ReFusion checkpoint."""
+    common = ["recipe=refusion", "recipe.slot_sizes=[2,4]", "recipe.export_slot_size=4", "trainer.max_steps=1"]
+    full = run_in_process([f"output_dir={tmp_path / 'full'}", *common])
+    lora = run_in_process([f"output_dir={tmp_path / 'lora'}", *common, "model.lora.rank=4"])
+    (a,), (b,) = ([json.loads(line) for line in (r.export_dir.parent / "metrics.jsonl").read_text().splitlines()]
+                  for r in (full, lora))
+    for term in ("l_arm", "l_mdm", "loss"):
+        assert b[term] == pytest.approx(a[term], rel=1e-6, abs=0), term
+    meta = CheckpointMetadata.read(lora.export_dir)
+    assert meta.recipe == "refusion" and meta.slot_size == 4 and meta.mask_token_id is not None
+    assert exported_weights(lora.export_dir).keys() == exported_weights(full.export_dir).keys()
+
+
 def _method(**overrides):
     tokenizer = tiny_tokenizer(("<|mask|>",))
     method = ReFusionMethod(ReFusionConfig(**overrides), tokenizer)
