@@ -323,6 +323,24 @@ def test_resumed_stage_reuses_its_collected_shards(tmp_path):
     assert [p.stat().st_mtime_ns for p in shards] == stamps
 
 
+def test_lora_run_collects_the_same_trajectories_and_starts_at_the_full_runs_loss(tmp_path):
+    """model.lora on recipe=jacobi_forcing: the stage collects with the base (the adapter does not touch
+    it), and with B = 0 the first step sees the full run's model and batch, so L_pc and L_AR are the full
+    run's; the merged export is a Jacobi Forcing checkpoint."""
+    full = run_in_process([*SMALL, f"output_dir={tmp_path / 'full'}", "trainer.max_steps=1"])
+    lora = run_in_process([*SMALL, f"output_dir={tmp_path / 'lora'}", "trainer.max_steps=1", "model.lora.rank=4"])
+    rows = [load_trajectories(tmp_path / run / "trajectories") for run in ("full", "lora")]
+    assert len(rows[0]) == 4 and [dict(r) for r in rows[0]] == [dict(r) for r in rows[1]]
+    (a,), (b,) = ([json.loads(line) for line in (r.export_dir.parent / "metrics.jsonl").read_text().splitlines()]
+                  for r in (full, lora))
+    assert a["n_pc_pairs"] == b["n_pc_pairs"] > 0 and a["n_ar_tokens"] == b["n_ar_tokens"]
+    for term in ("l_pc", "l_ar", "loss"):
+        assert b[term] == pytest.approx(a[term], rel=1e-6, abs=0), term
+    exported = AutoModelForCausalLM.from_pretrained(lora.export_dir)
+    assert exported.config.pardec == {"recipe": "jacobi_forcing", "jacobi_block_size": 4}
+    assert not any("lora" in name for name in exported.state_dict())
+
+
 def test_training_on_trajectories_from_the_collection_script(tmp_path):
     directory = collect(compose_train([*FAST, *SMALL, f"output_dir={tmp_path / 'collect'}"]))
     assert directory == tmp_path / "collect" / "trajectories"
