@@ -22,7 +22,7 @@ from pardec.inference.decoders.registry import build_decoder
 from pardec.losses.jacobi import jacobi_forcing_loss
 from pardec.methods.base import forward_logits, move_batch
 from tests.conftest import tiny_model
-from tests.train_utils import FAST, compose_train, run_in_process
+from tests.train_utils import FAST, compose_train, logged_metrics, run_in_process
 
 torch.set_num_threads(1)
 
@@ -331,8 +331,7 @@ def test_lora_run_collects_the_same_trajectories_and_starts_at_the_full_runs_los
     lora = run_in_process([*SMALL, f"output_dir={tmp_path / 'lora'}", "trainer.max_steps=1", "model.lora.rank=4"])
     rows = [load_trajectories(tmp_path / run / "trajectories") for run in ("full", "lora")]
     assert len(rows[0]) == 4 and [dict(r) for r in rows[0]] == [dict(r) for r in rows[1]]
-    (a,), (b,) = ([json.loads(line) for line in (r.export_dir.parent / "metrics.jsonl").read_text().splitlines()]
-                  for r in (full, lora))
+    (a,), (b,) = (logged_metrics(r.export_dir.parent) for r in (full, lora))
     assert a["n_pc_pairs"] == b["n_pc_pairs"] > 0 and a["n_ar_tokens"] == b["n_ar_tokens"]
     for term in ("l_pc", "l_ar", "loss"):
         assert b[term] == pytest.approx(a[term], rel=1e-6, abs=0), term

@@ -5,7 +5,6 @@ model, exact resume, a multi-stage recipe chaining merged exports, and the confi
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from pardec.inference.checkpoint import load_checkpoint
 from pardec.methods.idlm_lora import GatedLoraTrainingModule
 from pardec.models.lora import PROJECTIONS, MergedLoraModule, merged_state_dict, wrap_lora
 from tests.test_idlm_batch import tiny_model
-from tests.train_utils import exported_weights, run_in_process, save_tiny_base
+from tests.train_utils import exported_weights, logged_metrics, run_in_process, save_tiny_base
 
 
 def random_lora(arch: str, seed: int = 0, r: int = 4, alpha: float = 8.0):
@@ -121,13 +120,9 @@ def test_lora_run_draws_the_batches_of_the_full_run(tmp_path):
     mdm = ["recipe=mdm", "model=tiny_qwen3", "trainer.max_steps=1"]
     full = run_in_process([f"output_dir={tmp_path / 'full'}", *mdm])
     lora = run_in_process([f"output_dir={tmp_path / 'lora'}", *mdm, "model.lora.rank=4"])
-    (a,), (b,) = (_metrics(r.export_dir.parent) for r in (full, lora))
+    (a,), (b,) = (logged_metrics(r.export_dir.parent) for r in (full, lora))
     assert a["n_targets"] == b["n_targets"]
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=0)
-
-
-def _metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_lora_resume_is_exact(tmp_path):

@@ -11,7 +11,7 @@ from pardec.common.errors import ConfigError
 from pardec.common.metadata import CheckpointMetadata
 from pardec.methods.refusion import ReFusionConfig, ReFusionMethod
 from tests.conftest import tiny_tokenizer
-from tests.train_utils import exported_weights, run_in_process
+from tests.train_utils import exported_weights, logged_metrics, run_in_process
 
 
 def test_recipe_trains_and_records_decoding_metadata(tmp_path):
@@ -42,8 +42,7 @@ def test_lora_run_records_the_metadata_and_starts_at_the_full_runs_loss(tmp_path
     common = ["recipe=refusion", "recipe.slot_sizes=[2,4]", "recipe.export_slot_size=4", "trainer.max_steps=1"]
     full = run_in_process([f"output_dir={tmp_path / 'full'}", *common])
     lora = run_in_process([f"output_dir={tmp_path / 'lora'}", *common, "model.lora.rank=4"])
-    (a,), (b,) = ([json.loads(line) for line in (r.export_dir.parent / "metrics.jsonl").read_text().splitlines()]
-                  for r in (full, lora))
+    (a,), (b,) = (logged_metrics(r.export_dir.parent) for r in (full, lora))
     for term in ("l_arm", "l_mdm", "loss"):
         assert b[term] == pytest.approx(a[term], rel=1e-6, abs=0), term
     meta = CheckpointMetadata.read(lora.export_dir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -66,6 +67,11 @@ def run_torchrun(overrides: list[str], nproc: int, cwd: Path, timeout: int = 600
 
 def exported_weights(export_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(export_dir / "model.safetensors"))
+
+
+def logged_metrics(run_dir: Path) -> list[dict]:
+    """The run's (or stage's) metrics.jsonl, one dict per logged step."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def save_tiny_base(out: Path) -> Path:
