@@ -30,7 +30,7 @@ import hydra
 from omegaconf import DictConfig
 
 from pardec.cli.train import _quiet_non_main_ranks
-from pardec.common.distributed import barrier, init_distributed, main_rank_first
+from pardec.common.distributed import barrier, init_distributed, main_rank_first, process_group
 from pardec.common.errors import ConfigError
 from pardec.data_pipelines.jacobi_trajectories import collect_trajectories, load_trajectories
 from pardec.data_pipelines.sources import load_raw_split
@@ -90,7 +90,8 @@ def collect_main(cfg: DictConfig) -> None:
     if cfg.recipe.name != "jacobi_forcing":
         sys.exit(f"config error: config key 'recipe.name' = {cfg.recipe.name!r}; "
                  f"trajectories are for recipe=jacobi_forcing")
-    directory = collect(cfg)
+    with process_group(single_process_group=True):  # collect joins it; destroyed before exit
+        directory = collect(cfg)
     if os.environ.get("RANK", "0") == "0":
         print(f"trajectories: {directory}")
 

@@ -37,6 +37,7 @@ def _quiet_non_main_ranks() -> None:
 
 @hydra.main(config_path="../recipes", config_name="train", version_base="1.3")
 def train(cfg: DictConfig) -> None:
+    from pardec.common.distributed import process_group
     from pardec.trainers.trainer import configure_logging, run_recipe
 
     configure_logging(os.environ.get("RANK", "0") == "0")
@@ -44,10 +45,11 @@ def train(cfg: DictConfig) -> None:
         cfg = validate_train_config(cfg, HydraConfig.get().overrides.task)
     except ConfigError as err:
         sys.exit(f"config error: {err}")
-    try:
-        result = run_recipe(cfg)
-    except PardecError as err:  # a refusal (existing run, lock, changed settings) or a bad checkpoint
-        sys.exit(f"error: {err}")
+    with process_group(single_process_group=True):  # run_recipe joins it; destroyed before exit
+        try:
+            result = run_recipe(cfg)
+        except PardecError as err:  # a refusal (existing run, lock, changed settings) or a bad checkpoint
+            sys.exit(f"error: {err}")
     if os.environ.get("RANK", "0") == "0":
         where = f", Hugging Face export: {result.export_dir}" if result.export_dir else ""
         print(f"training {result.status} at step {result.step} ({result.train_seconds:.0f} s of training steps){where}")

@@ -5,6 +5,7 @@ and starts a group with NCCL on GPU or gloo on CPU. Training needs a group even 
 (DeepSpeed does), so it passes ``single_process_group=True`` and a plain ``python`` run becomes a
 world of one; validation starts a group only when launched with more than one rank. A group that
 already exists (validation inside training) is reused and never destroyed by :func:`shutdown`.
+A CLI entry point holds its group with :func:`process_group`, which destroys it before the process exits.
 """
 
 from __future__ import annotations
@@ -85,6 +86,18 @@ def shutdown(info: DistInfo) -> None:
     if info.owns_group and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def process_group(single_process_group: bool = False) -> Iterator[DistInfo]:
+    """The group of a launcher's whole process (a CLI entry point): :func:`init_distributed` before the
+    body, :func:`shutdown` once it returns. Leaving a gloo group to interpreter exit aborts a rank that
+    exits while a peer still runs (SIGABRT, "terminate called without an active exception"; under
+    torchrun a rank 1 that finished while rank 0 still exports), so every rank destroys it first. A body
+    that raises skips the shutdown: its barrier would wait for peers that are not coming."""
+    info = init_distributed(single_process_group)
+    yield info
+    shutdown(info)
 
 
 def barrier() -> None:
