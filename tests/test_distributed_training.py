@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pardec.data_pipelines.jacobi_trajectories import load_trajectories
-from tests.train_utils import exported_weights, run_torchrun, save_tiny_base
+from tests.train_utils import exported_weights, logged_metrics, run_torchrun, save_tiny_base
 
 STEPS = ["trainer.max_steps=3"]
 
@@ -43,7 +43,7 @@ def test_two_processes_match_one(tmp_path, base_checkpoint, one_process, zero):
         torch.testing.assert_close(tensor, one_process[name], rtol=1e-4, atol=1e-5)
     # only rank 0 wrote Hydra's files and metrics
     assert (tmp_path / ".hydra" / "config.yaml").is_file()
-    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+    assert len(logged_metrics(tmp_path)) == 3
 
 
 JACOBI = ["recipe=jacobi_forcing", "recipe.stages=[]", "data.max_train_samples=4", "recipe.block_size=4",

@@ -34,7 +34,7 @@ from pardec.models.gated_lora import (
 )
 from pardec.models.loading import load_model, load_tokenizer
 from tests.test_idlm_batch import MASK_ID, random_samples, tiny_model
-from tests.train_utils import FAST, compose_train, run_in_process
+from tests.train_utils import FAST, compose_train, logged_metrics, run_in_process
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -293,7 +293,7 @@ def test_idlm_lora_training_run_keeps_the_base_bit_identical(tmp_path, monkeypat
         assert not torch.equal(model(input_ids=masked).logits, plain(input_ids=masked).logits)
     with pytest.raises(ConfigError, match="already a gated-LoRA export"):
         IDLMLoraMethod(compose_train(FAST + ["recipe=idlm_lora"]).recipe, tokenizer).prepare_model(plain)
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics = logged_metrics(out)
     assert len(metrics) == 2 and all(m["scale"] == 0.0 and m["l_clean"] > 0 and m["loss"] == m["l_mask"]
                                      for m in metrics)
 

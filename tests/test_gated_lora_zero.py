@@ -20,7 +20,7 @@ from pardec.data_pipelines.tokenize import format_prompt_ids
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.registry import build_decoder
 from pardec.models.gated_lora import ADAPTER_SUBDIR, gate_holder
-from tests.train_utils import compose_train, exported_weights, run_torchrun, save_tiny_base
+from tests.train_utils import compose_train, exported_weights, logged_metrics, run_torchrun, save_tiny_base
 
 LORA = ["recipe=idlm_lora", "data.pack_length=512", "trainer.max_steps=2", "trainer.lr=1e-2",
         "recipe.lora_rank=8", "recipe.lora_alpha=16", "trainer.grad_accum=1"]
@@ -75,4 +75,4 @@ def test_gated_lora_two_processes_zero(tmp_path, base_checkpoint, base_ar, zero)
         isd = build_decoder({"name": "isd", "stride": stride, "max_new_tokens": 24}, tokenizer)
         out = isd.decode(model, prompts, {tokenizer.eos_token_id}, [0] * len(prompts))
         assert [r.tokens for r in out] == [r.tokens for r in ar], f"stride {stride} under {zero}"
-    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    assert len(logged_metrics(tmp_path)) == 2

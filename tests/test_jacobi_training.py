@@ -292,7 +292,7 @@ def test_trainer_runs_both_distillation_rounds(tmp_path):
     assert result.status == "finished" and result.step == 1
     r1, r2 = tmp_path / "stages" / "00-r1", tmp_path / "stages" / "01-r2"
     for stage, steps in ((r1, 2), (r2, 1)):
-        metrics = [json.loads(line) for line in (stage / "metrics.jsonl").read_text().splitlines()]
+        metrics = logged_metrics(stage)
         assert [m["step"] for m in metrics] == list(range(1, steps + 1))
         assert all(m["l_ar"] > 0 and m["n_pc_pairs"] > 0 for m in metrics)
         assert sorted(p.name for p in (stage / "trajectories").glob("shard-*")) == [
@@ -389,7 +389,7 @@ def test_streams_layout_trains_the_same_losses(tmp_path, monkeypatch):
         out = tmp_path / layout
         result = run_in_process([*SMALL, f"output_dir={out}", "trainer.max_steps=1", f"recipe.layout={layout}"])
         assert result.status == "finished"
-        first_step[layout] = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+        first_step[layout] = logged_metrics(out)[0]
     streams_rows = [stream for layout, stream in built_layouts if layout == "streams"]
     assert streams_rows and [stream for layout, stream in built_layouts if layout == "interleaved"] != streams_rows
     for key in ("l_pc", "l_ar", "n_pc_pairs", "n_ar_tokens"):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -20,7 +18,7 @@ def test_recipe_trains_and_records_decoding_metadata(tmp_path):
     assert result.status == "finished"
     meta = CheckpointMetadata.read(result.export_dir)
     assert meta.recipe == "refusion" and meta.slot_size == 4 and meta.mask_token_id is not None
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = logged_metrics(tmp_path)
     assert len(records) == 4
     for r in records:
         assert r["l_arm"] > 0 and r["l_mdm"] > 0 and r["loss"] == pytest.approx(r["l_arm"] + r["l_mdm"], rel=1e-4)

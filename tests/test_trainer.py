@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -11,11 +10,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pardec.common.errors import CheckpointError, ConfigError
 from pardec.trainers.preemption import PREEMPTED_MARKER, STOP_FILE
-from tests.train_utils import exported_weights, run_in_process
+from tests.train_utils import exported_weights, logged_metrics, run_in_process
 
 
 def _losses(run_dir: Path) -> list[float]:
-    return [json.loads(line)["loss_ar"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [m["loss_ar"] for m in logged_metrics(run_dir)]
 
 
 def test_loss_decreases(tmp_path):
@@ -38,8 +37,7 @@ def test_resume_is_exact(tmp_path):
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
     # the resumed run logged steps 1-2 then 3-4: the data position continued, not restarted
-    assert [json.loads(line)["step"]
-            for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert [m["step"] for m in logged_metrics(tmp_path / "resumed")] == [1, 2, 3, 4]
 
 
 def test_export_reloads_in_plain_transformers(tmp_path):
@@ -106,7 +104,7 @@ def test_unknown_stage_override_is_named(tmp_path):
 def test_periodic_eval_logs_decoding_metrics(tmp_path):
     run_in_process([f"output_dir={tmp_path}", "trainer.max_steps=2", "eval.every=1", "eval.at_end=true",
                     "eval.num_samples=3", "eval.max_new_tokens=6", "eval.batch_size=3"])
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = logged_metrics(tmp_path)
     evals = [r for r in records if "eval/tpf" in r]
     assert [r["step"] for r in evals] == [1, 2]
     assert all(r["eval/num_samples"] == 3 and r["eval/tpf"] == 1.0 for r in evals)
@@ -149,6 +147,5 @@ def test_eval_decoder_that_cannot_decode_the_recipes_export_is_refused_before_tr
         run_in_process([*mdm, "eval.decoder=ar"])
     assert not (tmp_path / "metrics.jsonl").exists()  # nothing trained
     run_in_process([*mdm, "eval.decoder=mdm_lowconf"])
-    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
-                 if "eval/tpf" in line]
+    (record,) = [m for m in logged_metrics(tmp_path) if "eval/tpf" in m]
     assert record["eval/num_samples"] == 2
