@@ -8,12 +8,15 @@ process, so the group the pytest process may hold from in-process training plays
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
+from tests.conftest import save_checkpoint, write_eval_jsonl
 from tests.train_utils import FAST, REPO, child_env
 
 
@@ -67,3 +70,84 @@ def test_cli_leaves_no_process_group_at_exit(tmp_path, module):
         print("group at exit:", dist.is_initialized())
     """, REPO)
     assert out.rstrip().endswith("group at exit: False"), out[-2000:]
+
+
+# -- a rank that fails alone ------------------------------------------------------------------------
+# Its peers are on their way to a collective it will never join; were it to wait for them in shutdown's
+# barrier, the run would hang until gloo's 30-minute timeout (a barrier against a peer's all_gather
+# does not fail). It must exit instead, so that torchrun stops the others.
+
+TORCHRUN = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", "2"]
+
+
+def run_two_ranks(script: str, tmp_path, *args: str, timeout_s: int = 180) -> subprocess.CompletedProcess:
+    """``script`` under torchrun with 2 ranks; ranks still running after ``timeout_s`` (a hang) fail the
+    test, stopped by torchrun on its SIGTERM (each rank runs in a session of its own, out of reach of a
+    signal to torchrun's group)."""
+    path = tmp_path / "ranks.py"
+    path.write_text(textwrap.dedent(script))
+    proc = subprocess.Popen([*TORCHRUN, str(path), *args], cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        proc.communicate(timeout=120)
+        pytest.fail(f"the ranks still ran after {timeout_s} s: one waited for a peer that will not come")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+AT_EXIT = """
+    import atexit
+    import sys
+    import torch.distributed as dist
+    from pardec.common.distributed import init_distributed, shutdown_at_exit
+
+    info = init_distributed()
+    atexit.register(lambda: print(f"rank {info.rank} group at exit: {dist.is_initialized()}", flush=True))
+    shutdown_at_exit(info)  # registered last, so it runs first
+    if sys.argv[1] == "fail" and info.rank == 1:
+        raise RuntimeError("rank 1 fails alone")
+    gathered = [None, None]
+    dist.all_gather_object(gathered, info.rank)
+"""
+
+
+def test_shutdown_at_exit_destroys_the_group_and_is_skipped_by_a_rank_that_fails(tmp_path):
+    ok = run_two_ranks(AT_EXIT, tmp_path, "ok")
+    assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
+    assert sorted(groups_at_exit(ok.stdout)) == [("0", "False"), ("1", "False")]
+    failed = run_two_ranks(AT_EXIT, tmp_path, "fail")  # before the fix: hung here
+    assert failed.returncode != 0 and "rank 1 fails alone" in failed.stderr
+    assert ("1", "True") in groups_at_exit(failed.stdout)
+
+
+def groups_at_exit(stdout: str) -> list[tuple[str, str]]:
+    """(rank, whether its group was alive) per rank's line; the two ranks' prints may interleave."""
+    return re.findall(r"rank (\d) group at exit: (True|False)", stdout)
+
+
+def test_validate_cli_rank_that_fails_alone_ends_the_run(tmp_path):
+    ck = save_checkpoint(tmp_path / "ck")
+    data = write_eval_jsonl(tmp_path / "eval.jsonl")
+    args = [f"checkpoint={ck}", "data.source=files", f"data.eval_files=[{data}]", f"output_dir={tmp_path / 'out'}",
+            "progress=false", "decoder.max_new_tokens=4"]
+    proc = run_two_ranks(f"""
+        import os
+        import sys
+        import pardec.cli.validate as cli
+        from pardec.common.errors import CheckpointError
+
+        load = cli.load_for_decoding
+
+        def load_on_rank_0(cfg):
+            if os.environ["RANK"] == "1":
+                raise CheckpointError("rank 1 cannot read the checkpoint")
+            return load(cfg)
+
+        cli.load_for_decoding = load_on_rank_0
+        sys.argv = ["validate", *{args!r}]
+        cli.validate()
+    """, tmp_path)
+    assert proc.returncode != 0 and "error: rank 1 cannot read the checkpoint" in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "out" / "metrics.json").exists()

@@ -26,7 +26,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from pardec.common.distributed import init_distributed, shutdown
+from pardec.common.distributed import process_group
 from pardec.common.errors import CheckpointError, ConfigError, DataError
 from pardec.common.model_card import EVAL_DIR, write_model_card
 from pardec.data_pipelines.sources import load_raw_split
@@ -50,28 +50,26 @@ def validate(cfg: DictConfig) -> None:
         check_output_dir(out_dir, cfg.output_dir is not None)
     except ConfigError as err:
         sys.exit(f"config error: {err}")
-    ctx = init_distributed()
-    try:
-        model, tokenizer, auxiliary = load_for_decoding(cfg)
-        resolve_template(tokenizer, cfg.data.template)  # chat without a chat template: named before data work
-        eval_set = load_raw_split(cfg.data, "eval")
-        check_prompt_unknown_rate(eval_set, tokenizer, cfg.data, "eval")
-        result = evaluate(
-            model,
-            tokenizer,
-            eval_set,
-            cfg.decoder,
-            template=cfg.data.template,
-            add_bos=cfg.add_bos,
-            agreement=cfg.agreement,
-            reference_batch_size=cfg.reference_batch_size,
-            progress=cfg.progress,
-            auxiliary=auxiliary,
-        )
-    except (CheckpointError, DataError, ConfigError) as err:
-        sys.exit(f"error: {err}")
-    finally:
-        shutdown(ctx)
+    with process_group() as ctx:  # destroyed before rank 0 writes; kept after an error (see process_group)
+        try:
+            model, tokenizer, auxiliary = load_for_decoding(cfg)
+            resolve_template(tokenizer, cfg.data.template)  # chat without a chat template: named before data work
+            eval_set = load_raw_split(cfg.data, "eval")
+            check_prompt_unknown_rate(eval_set, tokenizer, cfg.data, "eval")
+            result = evaluate(
+                model,
+                tokenizer,
+                eval_set,
+                cfg.decoder,
+                template=cfg.data.template,
+                add_bos=cfg.add_bos,
+                agreement=cfg.agreement,
+                reference_batch_size=cfg.reference_batch_size,
+                progress=cfg.progress,
+                auxiliary=auxiliary,
+            )
+        except (CheckpointError, DataError, ConfigError) as err:
+            sys.exit(f"error: {err}")
     if not ctx.is_main:
         return
     table = format_markdown(result.metrics, title=f"{choice} on {cfg.checkpoint} ({ctx.world_size} process(es))")

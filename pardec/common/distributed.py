@@ -5,14 +5,20 @@ and starts a group with NCCL on GPU or gloo on CPU. Training needs a group even 
 (DeepSpeed does), so it passes ``single_process_group=True`` and a plain ``python`` run becomes a
 world of one; validation starts a group only when launched with more than one rank. A group that
 already exists (validation inside training) is reused and never destroyed by :func:`shutdown`.
-A CLI entry point holds its group with :func:`process_group`, which destroys it before the process exits.
+A CLI entry point holds its group with :func:`process_group`, which destroys it before the process exits;
+an owner with no scope to hold it in (lm-eval's model) hands it to :func:`shutdown_at_exit`. Neither
+waits for the peers after an error: a rank that fails alone exits, and torchrun stops the others,
+instead of the failing rank waiting in a barrier that its peers never reach (until gloo's 30-minute
+timeout).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import socket
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -99,6 +105,19 @@ def process_group(single_process_group: bool = False) -> Iterator[DistInfo]:
     info = init_distributed(single_process_group)
     yield info
     shutdown(info)
+
+
+def shutdown_at_exit(info: DistInfo) -> None:
+    """:func:`shutdown` at interpreter exit, for a group its owner has no scope to close: skipped when
+    the interpreter exits on an uncaught exception (Python has set ``sys.last_value`` by then), for the
+    reason :func:`process_group` skips it after an error."""
+    if info.owns_group:
+        atexit.register(_shutdown_unless_failed, info)
+
+
+def _shutdown_unless_failed(info: DistInfo) -> None:
+    if getattr(sys, "last_value", None) is None:
+        shutdown(info)
 
 
 def barrier() -> None:

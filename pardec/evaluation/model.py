@@ -70,7 +70,6 @@ it turns off for an already loaded model). The decoder stats are gathered to ran
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
@@ -85,7 +84,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 
-from pardec.common.distributed import barrier, init_distributed, shutdown
+from pardec.common.distributed import barrier, init_distributed, shutdown_at_exit
 from pardec.common.errors import CheckpointError, ConfigError
 from pardec.common.metadata import AR, MASKED_AR, CheckpointMetadata, model_where
 from pardec.evaluation.stopping import generation_eos_ids, hf_continuation, special_stop_ids
@@ -142,8 +141,7 @@ class PardecLM(HFLM):
             keys = {**keys, "device": harness_device(device)}
         self.cfg = compose_validate_config(validate_overrides(checkpoint, decoder, keys))
         self.dist = init_distributed()
-        if self.dist.owns_group:
-            atexit.register(shutdown, self.dist)
+        shutdown_at_exit(self.dist)
         model, tokenizer, self.auxiliary = load_for_decoding(self.cfg)
         super().__init__(
             pretrained=model,
