@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 from pardec.common.errors import ConfigError
@@ -20,6 +21,26 @@ def test_every_experiment_composes(experiment):
     cfg = compose_train([f"experiment={experiment}"])
     assert cfg.experiment_name == experiment
     assert cfg.recipe.name in RECIPE_NAMES
+
+
+LORA_EXPERIMENTS = [e for e in EXPERIMENTS if e.startswith("smollm2_") and e.endswith("_lora")]
+
+
+@pytest.mark.parametrize("experiment", LORA_EXPERIMENTS)
+def test_lora_experiment_is_its_base_with_the_rank64_keys_set(experiment):
+    """``lora/rank64.yaml`` sets four keys over an experiment, whether an experiment includes it or the
+    command line adds it (``+lora=rank64``); the reference sets them one by one."""
+    base = experiment.removesuffix("_lora")
+    by_hand = ["model.gradient_checkpointing=false", "model.lora.rank=64", "model.lora.alpha=64.0", "trainer.lr=5e-4"]
+    expected = without_name(compose_train([f"experiment={base}", *by_hand]))
+    assert without_name(compose_train([f"experiment={experiment}"])) == expected
+    assert without_name(compose_train([f"experiment={base}", "+lora=rank64"])) == expected
+    assert compose_train([f"experiment={experiment}", "trainer.lr=1e-3"]).trainer.lr == 1e-3  # still overridable
+
+
+def without_name(cfg) -> dict:
+    """The config without the experiment's name, its interpolations unresolved (paths named after it stay equal)."""
+    return {k: v for k, v in OmegaConf.to_container(cfg).items() if k not in ("experiment_name", "output_dir")}
 
 
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)
