@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import save_checkpoint, write_eval_jsonl
+from tests.conftest import save_checkpoint, tiny_model, write_eval_jsonl
 from tests.train_utils import FAST, REPO, child_env
 
 
@@ -119,7 +119,15 @@ def test_shutdown_at_exit_destroys_the_group_and_is_skipped_by_a_rank_that_fails
     assert sorted(groups_at_exit(ok.stdout)) == [("0", "False"), ("1", "False")]
     failed = run_two_ranks(AT_EXIT, tmp_path, "fail")  # before the fix: hung here
     assert failed.returncode != 0 and "rank 1 fails alone" in failed.stderr
+    assert root_cause_rank(failed.stderr) == 1
     assert ("1", "True") in groups_at_exit(failed.stdout)
+
+
+def root_cause_rank(stderr: str) -> int | None:
+    """The rank torchrun saw fail first: a rank that failed alone ended the run, before its peers
+    failed (on the lost connection) or torchrun stopped them."""
+    found = re.search(r"Root Cause \(first observed failure\):\n\[0\]:\n(?:  .*\n)*?  rank +: (\d+)", stderr)
+    return int(found.group(1)) if found else None
 
 
 def groups_at_exit(stdout: str) -> list[tuple[str, str]]:
@@ -150,4 +158,40 @@ def test_validate_cli_rank_that_fails_alone_ends_the_run(tmp_path):
         cli.validate()
     """, tmp_path)
     assert proc.returncode != 0 and "error: rank 1 cannot read the checkpoint" in proc.stderr, proc.stderr[-3000:]
+    assert root_cause_rank(proc.stderr) == 1, proc.stderr[-3000:]
     assert not (tmp_path / "out" / "metrics.json").exists()
+
+
+@pytest.mark.slow  # ~60 s: both lm-eval CLI processes index lm-eval's built-in task files first
+def test_lm_eval_cli_rank_that_fails_alone_ends_the_run(tmp_path):
+    from pardec.data_pipelines.synthetic_gsm import SyntheticGSMConfig
+    from pardec.data_pipelines.synthetic_tokenizer import build_synthetic_tokenizer
+    from pardec.evaluation.synthetic_task import TASK, write_task
+
+    tok = build_synthetic_tokenizer(SyntheticGSMConfig())
+    tiny_model(len(tok)).save_pretrained(tmp_path / "ck")
+    tok.save_pretrained(tmp_path / "ck")
+    write_task(tmp_path / "tasks", SyntheticGSMConfig(num_test=4))
+    args = ["--model", "pardec", "--model_args", f"checkpoint={tmp_path / 'ck'},max_new_tokens=4",
+            "--include_path", str(tmp_path / "tasks"), "--tasks", TASK, "--output_path", str(tmp_path / "run.json")]
+    proc = run_two_ranks(f"""
+        import os
+        import sys
+        import pardec.evaluation.model as model
+        from pardec.cli.lm_eval_harness import main
+        from pardec.common.errors import CheckpointError
+
+        load = model.load_for_decoding
+
+        def load_on_rank_0(cfg):  # after PardecLM started the group and handed it to shutdown_at_exit
+            if os.environ["RANK"] == "1":
+                raise CheckpointError("rank 1 cannot read the checkpoint")
+            return load(cfg)
+
+        model.load_for_decoding = load_on_rank_0
+        sys.argv = ["pardec-lm-eval", *{args!r}]
+        main()
+    """, tmp_path, timeout_s=300)
+    assert proc.returncode != 0 and "rank 1 cannot read the checkpoint" in proc.stderr, proc.stderr[-3000:]
+    assert root_cause_rank(proc.stderr) == 1, proc.stderr[-3000:]
+    assert not list(tmp_path.glob("run_*.json"))
