@@ -142,7 +142,7 @@ class StaticSteps:
         self._run(_Step(self, 1))  # allocates the cache (lazily, at its first update) before any capture
         self._layer_lengths = [layer.cumulative_length for layer in self.cache.layers]
         if any(not isinstance(t, torch.Tensor) for t in self._layer_lengths):
-            raise RuntimeError("StaticSteps needs transformers' StaticLayer with a tensor cumulative_length (>= 5.0)")
+            raise RuntimeError("StaticSteps needs transformers' StaticLayer with a tensor cumulative_length (>= 5.4)")
 
     def reset(self, context: Sequence[int]) -> None:
         """Start a new sequence: the cache holds ``context`` (prefilled eagerly, causal; may be empty)."""
