@@ -35,6 +35,7 @@ from pardec.inference.compose import compose_validate_config
 from pardec.inference.evaluate import evaluate
 from pardec.models.loading import add_mask_token
 from tests.conftest import tiny_model
+from tests.train_utils import TORCHRUN_2
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -284,8 +285,8 @@ def test_cli_writes_scores_and_decoder_stats(checkpoints, task_dir, tmp_path):
 def test_two_ranks_match_one_process(checkpoints, task_dir, task_manager, tmp_path):
     """lm-eval's data parallelism on pardec's process group: 7 documents over 2 ranks (one padding copy on
     rank 1), the same per-document answers as one process, the stats gathered without the padding copy."""
-    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", "2"]
-    results, _ = run_cli(torchrun, checkpoints["random"], task_dir, tmp_path / "out", ["--limit", "7", "--log_samples"])
+    results, _ = run_cli(TORCHRUN_2, checkpoints["random"], task_dir, tmp_path / "out",
+                         ["--limit", "7", "--log_samples"])
     single = harness(checkpoints["random"], JACOBI, task_manager, limit=7)
     [samples_file] = list((tmp_path / "out").glob("samples_*.jsonl"))
     samples = sorted((json.loads(line) for line in samples_file.read_text().splitlines()), key=lambda s: s["doc_id"])

@@ -1,4 +1,5 @@
-"""The CLI entry points destroy the process group they start before the interpreter exits.
+"""The CLI entry points destroy the process group they start before the interpreter exits, and a rank
+that fails alone exits without waiting for its peers (the second half of this file).
 
 A gloo group left to interpreter exit aborts a rank that exits while a peer still runs ("terminate
 called without an active exception", SIGABRT): under torchrun rank 1 finishes training first while
@@ -12,12 +13,11 @@ import re
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import save_checkpoint, tiny_model, write_eval_jsonl
-from tests.train_utils import FAST, REPO, child_env
+from tests.train_utils import FAST, REPO, TORCHRUN_2, child_env
 
 
 def run_child(script: str, cwd) -> str:
@@ -77,16 +77,13 @@ def test_cli_leaves_no_process_group_at_exit(tmp_path, module):
 # barrier, the run would hang until gloo's 30-minute timeout (a barrier against a peer's all_gather
 # does not fail). It must exit instead, so that torchrun stops the others.
 
-TORCHRUN = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", "2"]
-
-
 def run_two_ranks(script: str, tmp_path, *args: str, timeout_s: int = 180) -> subprocess.CompletedProcess:
     """``script`` under torchrun with 2 ranks; ranks still running after ``timeout_s`` (a hang) fail the
     test, stopped by torchrun on its SIGTERM (each rank runs in a session of its own, out of reach of a
     signal to torchrun's group)."""
     path = tmp_path / "ranks.py"
     path.write_text(textwrap.dedent(script))
-    proc = subprocess.Popen([*TORCHRUN, str(path), *args], cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen([*TORCHRUN_2, str(path), *args], cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)

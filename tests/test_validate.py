@@ -20,6 +20,7 @@ from pardec.common.errors import ConfigError, DataError
 from pardec.inference.config import validate_validate_config
 from pardec.inference.evaluate import encode_prompt, evaluate, evaluate_model
 from tests.conftest import EVAL_ROWS, save_checkpoint, tiny_model, tiny_tokenizer, write_eval_jsonl
+from tests.train_utils import TORCHRUN_2
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -168,10 +169,9 @@ def test_validate_cli_missing_checkpoint_is_a_clear_error(tmp_path):
 def test_validate_two_processes_match_one(tmp_path):
     ck = save_checkpoint(tmp_path / "ck")
     data = write_eval_jsonl(tmp_path / "eval.jsonl")
-    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", "2"]
     extra = ["decoder=ar_sample", "decoder.max_new_tokens=6", "decoder.batch_size=2"]
     run_validate([sys.executable], ck, data, tmp_path / "one", tmp_path, extra)
-    run_validate(torchrun, ck, data, tmp_path / "two", tmp_path, extra)
+    run_validate(TORCHRUN_2, ck, data, tmp_path / "two", tmp_path, extra)
     (m1, s1), (m2, s2) = read_outputs(tmp_path / "one"), read_outputs(tmp_path / "two")
     assert {r["rank"] for r in s2} == {0, 1}
     drop = {"rank", "wall_time_s"}

@@ -55,6 +55,10 @@ def child_env(**extra: str) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **extra}
 
 
+# torchrun with two ranks on a free port (--standalone), for a module (``-m``) or a script after it.
+TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+
 def run_torchrun(overrides: list[str], nproc: int, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",

@@ -100,8 +100,8 @@ def process_group(single_process_group: bool = False) -> Iterator[DistInfo]:
     body, :func:`shutdown` once it returns. Leaving a gloo group to interpreter exit aborts a rank that
     exits while a peer still runs (SIGABRT, "terminate called without an active exception"; under
     torchrun rank 1 leaves the last barrier while rank 0 still releases the run lock and reports), so
-    every rank destroys it first. A body
-    that raises skips the shutdown: its barrier would wait for peers that are not coming."""
+    every rank destroys it first. A body that raises skips the shutdown: its barrier would wait for
+    peers that are not coming."""
     info = init_distributed(single_process_group)
     yield info
     shutdown(info)
