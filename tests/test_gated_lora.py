@@ -72,6 +72,21 @@ def test_without_masks_outputs_equal_the_base_bitwise(arch):
         assert not torch.allclose(model(input_ids=masked).logits, base(input_ids=masked).logits)  # LoRA is live
 
 
+def test_gate_is_set_when_the_causal_lm_runs_as_forward():
+    """PEFT before 0.21 runs the wrapped causal LM as ``model.forward(...)``, skipping that module's hooks;
+    the gate must still follow this call's input_ids, not a stale gate from the call before it."""
+    model, base = gated()
+    ids = torch.randint(1, MASK_ID, (2, 12))
+    masked = ids.clone()
+    masked[:, 5:] = MASK_ID
+    with torch.no_grad():
+        model(input_ids=ids)  # leaves an all-zero gate behind
+        direct = model.get_base_model().forward(input_ids=masked).logits
+        assert torch.equal(direct, model(input_ids=masked).logits)
+        assert not torch.allclose(direct[:, 5:], base(input_ids=masked).logits[:, 5:])  # the residual applied
+        assert torch.equal(model.get_base_model().forward(input_ids=ids).logits, base(input_ids=ids).logits)
+
+
 def test_residual_only_on_mask_inputs_per_projection():
     """Plain causal forward: every gated projection adds B A x exactly at the <|mask|> input rows."""
     model, _ = gated()

@@ -10,9 +10,12 @@ Construction, on PEFT's ordinary ``lora.Linear`` (adapters save and load as plai
 
 * :func:`wrap_gated_lora` calls ``peft.get_peft_model`` and then :func:`_attach_gate`;
   :func:`load_gated_lora` calls ``PeftModel.from_pretrained`` and then :func:`_attach_gate`;
-* a forward *pre-hook* on the transformers model reads ``input_ids`` of every call and stores the
-  per-token gate ``[b, s, 1]`` (bool) in one shared :class:`GateHolder`; callers just call the model
-  (``inputs_embeds`` alone is refused: the gate is defined on token ids);
+* a forward *pre-hook* on the transformers model's decoder stack (``model.base_model``, e.g.
+  ``Qwen3Model``) reads ``input_ids`` of every call and stores the per-token gate ``[b, s, 1]`` (bool)
+  in one shared :class:`GateHolder`; callers just call the model (``inputs_embeds`` alone is refused:
+  the gate is defined on token ids). The hook sits on the decoder stack, not on the causal LM, because
+  PEFT before 0.21 runs the causal LM as ``model.forward(...)``, which skips that module's hooks,
+  while the causal LM always calls its decoder stack as a module;
 * a forward hook on every LoRA-A module (``lora_A[adapter]``) zeroes its output where the gate is
   0 (``masked_fill``, so gate-0 rows are exactly 0 and get no gradient), hence ``B A x`` is exactly
   0 there and ``W x + 0`` is bitwise the base output.
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -104,8 +108,9 @@ class GateHolder:
         self.gate: torch.Tensor | None = None
         self._checkpoint_layers = checkpoint_layers
 
-    def set_gate(self, model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        """Forward pre-hook (with kwargs) on the transformers model: gate from ``input_ids``."""
+    def set_gate(self, model: torch.nn.Module, decoder: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Forward pre-hook (with kwargs) on ``decoder``, the decoder stack of the transformers model
+        ``model`` (bound with :func:`functools.partial`): gate from ``input_ids``."""
         adapters = set(getattr(model, "peft_config", {}))
         if not adapters:  # ``unload()`` removed the LoRA layers: the plain base runs, nothing to gate
             return
@@ -285,7 +290,8 @@ def _attach_gate(peft_model: PeftModel, mask_token_id: int, adapter_name: str) -
         layer.lora_A[adapter_name].register_forward_hook(holder.gate_lora_a)
         layer.merge = _refuse_merge
     peft_model.base_model._check_merge_allowed = _refuse_merge
-    model.register_forward_pre_hook(holder.set_gate, with_kwargs=True)
+    decoder = model.base_model  # the decoder stack: transformers' base_model_prefix module (the model if none)
+    decoder.register_forward_pre_hook(functools.partial(holder.set_gate, model), with_kwargs=True)
     setattr(model, _HOLDER_ATTR, holder)
 
 
