@@ -39,14 +39,14 @@ from tests.train_utils import FAST, compose_train, logged_metrics, run_in_proces
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def gated(arch: str = "qwen3", seed: int = 0, **lora_kwargs):
+def gated(arch: str = "qwen3", seed: int = 0, lora_alpha: float = 8, **lora_kwargs):
     """(gated PeftModel, untouched copy of its base); LoRA A and B both random (init_lora_weights=False),
     so an ungated residual would change every output."""
     base = tiny_model(arch, seed=seed)
     reference = copy.deepcopy(base)
     torch.manual_seed(seed + 100)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False, task_type="CAUSAL_LM",
-                        **lora_kwargs)
+    config = LoraConfig(r=4, lora_alpha=lora_alpha, target_modules=TARGETS, init_lora_weights=False,
+                        task_type="CAUSAL_LM", **lora_kwargs)
     return wrap_gated_lora(base, config, MASK_ID), reference
 
 
@@ -236,6 +236,42 @@ def test_adapter_round_trip(tmp_path):
         assert torch.equal(loaded(input_ids=clean).logits, tiny_model("qwen3", seed=7)(input_ids=clean).logits)
     with pytest.raises(ConfigError, match="records mask id"):
         load_gated_lora(tiny_model("qwen3", seed=7), tmp_path, mask_token_id=MASK_ID - 1)
+
+
+@pytest.mark.parametrize("lora_alpha", [4, 8])  # scale 1 (an in-place add) and 2
+def test_adapter_loaded_for_decoding_runs_the_lean_forward_bitwise_as_peft(tmp_path, lora_alpha):
+    """A loaded adapter's layers skip PEFT's forward (no LoRA-A module call, so its hook never runs)
+    and give PEFT's output bit for bit, a deep copy included; in training mode and with the adapter
+    disabled PEFT's forward runs."""
+    model, base = gated(seed=8, lora_alpha=lora_alpha, lora_dropout=0.5)
+    save_gated_lora(model, tmp_path)
+    loaded = load_gated_lora(tiny_model("qwen3", seed=8), tmp_path)
+    calls = []
+    for module in loaded.modules():
+        if isinstance(module, LoraLinear):
+            module.lora_A["default"].register_forward_hook(lambda *_: calls.append(1))
+    ids = torch.randint(1, MASK_ID, (2, 12))
+    ids[0, 4:] = MASK_ID
+    ids[1, [2, 9]] = MASK_ID
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+        assert not calls
+        with loaded.disable_adapter():
+            assert torch.equal(loaded(input_ids=ids).logits, base(input_ids=ids).logits)
+        twin = copy.deepcopy(loaded)  # its layers run on its own weights, not on the original's
+        for module in twin.modules():
+            if isinstance(module, LoraLinear):
+                module.lora_B["default"].weight.zero_()
+        assert torch.equal(twin(input_ids=ids).logits, base(input_ids=ids).logits)
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+    loaded.train()
+    torch.manual_seed(0)
+    trained = loaded(input_ids=ids).logits  # PEFT's forward, with its dropout
+    assert len(calls) == 2 * len(TARGETS)
+    model.train()
+    torch.manual_seed(0)
+    assert torch.equal(trained, model(input_ids=ids).logits)
 
 
 def _plain_base_state(module) -> dict[str, torch.Tensor]:
