@@ -238,7 +238,7 @@ def test_adapter_round_trip(tmp_path):
         load_gated_lora(tiny_model("qwen3", seed=7), tmp_path, mask_token_id=MASK_ID - 1)
 
 
-@pytest.mark.parametrize("lora_alpha", [4, 8])  # scale 1 (an in-place add) and 2
+@pytest.mark.parametrize("lora_alpha", [4, 8])  # scale 1 and 2
 def test_adapter_loaded_for_decoding_runs_the_lean_forward_bitwise_as_peft(tmp_path, lora_alpha):
     """A loaded adapter's layers skip PEFT's forward (no LoRA-A module call, so its hook never runs)
     and give PEFT's output bit for bit, a deep copy included; in training mode and with the adapter

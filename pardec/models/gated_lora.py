@@ -21,8 +21,11 @@ Construction, on PEFT's ordinary ``lora.Linear`` (adapters save and load as plai
   0 there and ``W x + 0`` is bitwise the base output;
 * an adapter loaded for decoding (:func:`load_gated_lora` with ``is_trainable=False``, as
   :func:`load_gated_lora_export` does) computes the same sum in a lean forward of each layer,
-  without PEFT's per-call bookkeeping and the hook (:func:`_decoding_forward`): bitwise PEFT's
-  output, about 10% less time per forward of SmolLM2-135M on a CPU.
+  without PEFT's per-call bookkeeping (:func:`_decoding_forward`). A deliberate departure from
+  the hook construction above, for decoding only: that forward applies the gate itself instead of
+  through the LoRA-A hook, with PEFT's arithmetic (bitwise PEFT's output) in 8-10% less time
+  per forward of SmolLM2-135M on a CPU; training and anything the lean forward does not cover run
+  PEFT's forward and the hook.
 
 Gradient checkpointing: non-reentrant checkpointing re-runs each decoder layer during backward,
 after the top-level forward (and possibly after later forwards that set other gates). The gate
@@ -140,8 +143,8 @@ class GateHolder:
         """Forward hook on ``lora_A[adapter]``: its output gated (:meth:`gated`)."""
         return self.gated(output)
 
-    def gated(self, output: torch.Tensor, in_place: bool = False) -> torch.Tensor:
-        """A LoRA-A output ``[b, s, r]`` zeroed where the gate is 0 (``in_place``: overwritten)."""
+    def gated(self, output: torch.Tensor) -> torch.Tensor:
+        """A LoRA-A output ``[b, s, r]`` zeroed where the gate is 0."""
         gate = self.gate
         if gate is None:
             raise RuntimeError("gated LoRA ran before any forward set its gate (call the model with input_ids)")
@@ -150,8 +153,7 @@ class GateHolder:
                 f"gated LoRA: a LoRA-A output of shape {tuple(output.shape)} does not match the per-token gate "
                 f"{tuple(gate.shape)} taken from input_ids; only projections over [batch, seq, features] can be gated"
             )
-        closed = ~gate.to(output.device)
-        return output.masked_fill_(closed, 0.0) if in_place else output.masked_fill(closed, 0.0)
+        return output.masked_fill(~gate.to(output.device), 0.0)
 
     @contextlib.contextmanager
     def replaying(self, gate: torch.Tensor) -> Iterator[None]:
@@ -315,7 +317,7 @@ def _decoding_forward(layer: LoraLinear, holder: GateHolder, peft_forward: Calla
     PEFT's own sum for one plain adapter, ``W x + B (gate * A x) * s``, computed as PEFT computes it
     (so bitwise PEFT's output), without what PEFT's forward checks and loops over on every call or the
     LoRA-A module call and its hook. On SmolLM2-135M (30 layers, 7 projections each) on the 2-core
-    CPU that bookkeeping is 5-6 ms of a 44-68 ms gated forward (docs/results/real_cpu.md).
+    CPU that bookkeeping is 4.5-5.5 ms of a 47-71 ms gated forward (docs/results/real_cpu.md).
     Training mode, disabled adapters, extra call arguments and an input in another dtype than the
     adapter's (PEFT casts it) run PEFT's forward."""
     name = holder.adapter_name
@@ -323,11 +325,8 @@ def _decoding_forward(layer: LoraLinear, holder: GateHolder, peft_forward: Calla
     if args or kwargs or layer.training or layer.disable_adapters or x.dtype != lora_a.dtype:
         return peft_forward(x, *args, **kwargs)
     result = layer.base_layer(x)
-    lora_x = holder.gated(F.linear(x, lora_a), in_place=True)  # [b, s, r]
-    scaling = layer.scaling[name]
-    if scaling == 1:  # y * 1 is y: the add alone, in place, is PEFT's result + y * 1 bit for bit
-        return result.add_(F.linear(lora_x, lora_b))
-    return result + F.linear(lora_x, lora_b) * scaling
+    lora_x = holder.gated(F.linear(x, lora_a))  # [b, s, r]
+    return result + F.linear(lora_x, lora_b) * layer.scaling[name]
 
 
 def _refuse_merge(*args: Any, **kwargs: Any) -> None:
