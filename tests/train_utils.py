@@ -55,14 +55,17 @@ def child_env(**extra: str) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **extra}
 
 
-# torchrun with two ranks on a free port (--standalone), for a module (``-m``) or a script after it.
-TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+def torchrun(nproc: int) -> list[str]:
+    """torchrun with ``nproc`` ranks on a free port (--standalone), for a module (``-m``) or a script after it."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+TORCHRUN_2 = torchrun(2)
 
 
 def run_torchrun(overrides: list[str], nproc: int, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "pardec.cli.train", *FAST, *overrides]
+    cmd = [*torchrun(nproc), "-m", "pardec.cli.train", *FAST, *overrides]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
