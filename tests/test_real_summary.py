@@ -54,6 +54,7 @@ def test_cpu_conversion_and_benchmark_machines_are_named_below_the_table(folders
     entries = json.loads(path.read_text())
     entries["smollm2_sft"] = {"wall_seconds": 800.0, "machine": epyc}
     entries["smollm2_refusion"] = {"wall_seconds": 2700.0, "machine": epyc}
+    entries["smollm2_idlm"] = {"wall_seconds": 1900.0, "machine": "Xeon, 2 cores"}  # on record, no row decodes it
     path.write_text(json.dumps(entries))
     (folders / "machines.json").write_text(json.dumps({  # a GPU table and an unknown table are not CPU rows
         "cpu_refusion": {"cpu": epyc, "gpu": None}, "gpu_risd_h100": {"cpu": "Xeon, 64 cores", "gpu": "H100"},

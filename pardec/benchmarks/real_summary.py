@@ -209,13 +209,15 @@ def cpu_machines(results_dir: Path) -> str | None:
     """Which CPU each CPU conversion's wall time was measured on (the ``machine`` the reproduce driver
     records in ``cpu_conversions.json``) and each CPU benchmark was run on (``machines.json``, written with
     every table by ``pardec.benchmarks.common.write_results``); entries from before either did are "not
-    recorded". One line below the table, or None when neither file names a machine."""
+    recorded", and conversions no row decodes (an experiment kept on record) are left out. One line below
+    the table, or None when neither file names a machine."""
     path = results_dir / "cpu_conversions.json"
     conversions = json.loads(path.read_text()) if path.is_file() else {}
     path = results_dir / MACHINES
     tables = json.loads(path.read_text()) if path.is_file() else {}
     benchmarks = {row.source: tables.get(row.source, {}).get("cpu") for row in ROWS if row.hardware == CPU}
-    conversion_machines = {name: entry.get("machine") for name, entry in conversions.items()}
+    decoded = {row.conversion for row in ROWS if row.hardware == CPU}
+    conversion_machines = {name: entry.get("machine") for name, entry in conversions.items() if name in decoded}
     if not any(conversion_machines.values()) and not any(benchmarks.values()):
         return None
     return (f"CPU conversion wall times were measured on: {grouped_by_machine(conversion_machines)}. "
