@@ -59,7 +59,7 @@ H200_GRAPHS = "H200, CUDA graphs"
 RISD_CPU = "python -m pardec.cli.reproduce --real --only smollm2_risd cpu_risd"
 GPU_RUN = "PROBLEMS=30 bash scripts/real_model_gpu.sh (docs/results/real_gpu.md)"
 GPU_RUN_H200 = "PROBLEMS=30 RISD=0 EVAL_SPLITS=test bash scripts/real_model_gpu.sh (docs/results/real_gpu.md)"
-IDLM_CPU = "python -m pardec.cli.reproduce --real --only smollm2_idlm cpu_idlm"
+IDLM_CPU = "python -m pardec.cli.reproduce --real --only smollm2_idlm_lora cpu_idlm"
 REFUSION_CPU = "python -m pardec.cli.reproduce --real --only smollm2_refusion cpu_refusion"
 JACOBI_CPU = "python -m pardec.cli.reproduce --real --only smollm2_jacobi_forcing cpu_jacobi_forcing"
 MDM_CPU = "python -m pardec.cli.reproduce --real --only smollm2_mdm cpu_mdm_flashdlm"
@@ -105,8 +105,8 @@ ROWS: tuple[RealRow, ...] = (
             RISD_CPU),
     RealRow("R-ISD", "gated LoRA on the CPU SFT base", CPU, "cpu_risd", ISD, "R-ISD N=3 greedy (gated LoRA)",
             "R-ISD N=3", "smollm2_risd", "base", RISD_CPU),
-    RealRow("I-DLM", "I-DLM (stride 4) on the CPU SFT base", CPU, "cpu_idlm", ISD, isd_chosen,
-            lambda data: f"ISD N={data['chosen_stride']}", "smollm2_idlm", "own", IDLM_CPU),
+    RealRow("I-DLM", "I-DLM (stride 4, LoRA r=64) on the CPU SFT base as an Intel CPU re-built it", CPU, "cpu_idlm",
+            ISD, isd_chosen, lambda data: f"ISD N={data['chosen_stride']}", "smollm2_idlm_lora", "own", IDLM_CPU),
     *(RealRow("Jacobi Forcing", "Jacobi Forcing round 1 on the CPU SFT base", CPU, "cpu_jacobi_forcing",
               "jacobi_forcing", jacobi_chosen(kind), jacobi_short(kind, short), "smollm2_jacobi_forcing", "own",
               JACOBI_CPU)
