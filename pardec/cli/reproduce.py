@@ -105,13 +105,15 @@ SMOLLM2 = "runs/smollm2_sft"
 REAL = "benchmarks/results/real"
 REAL_CHUNKS = f"{REAL}/chunks"  # committed; --chunk-dir moves each step's chunk directory elsewhere
 LOCAL_CHUNKS = "runs/reproduce_real/chunks"  # what a refused step suggests as --chunk-dir
-REAL_JACOBI = "runs/smollm2_jacobi_forcing/stages/00-round1"
 # I-DLM with a rank-64 LoRA on the frozen base: 3 and 7.5 test points lost in two builds where full fine-tuning
 # (smollm2_idlm, still an experiment) lost 19, at the same TPF (docs/results/real_cpu.md).
 REAL_IDLM = "runs/smollm2_idlm_lora/stages/02-stride4"
 # ReFusion with the same LoRA: 12 and 13 test points more (two builds) than full fine-tuning (smollm2_refusion,
 # still an experiment), at the same TPF (docs/results/real_cpu.md).
 REAL_REFUSION = "runs/smollm2_refusion_lora"
+# Jacobi Forcing with the same LoRA: 2.5 test points more and TPF 1.44 against full fine-tuning's 1.35
+# (smollm2_jacobi_forcing, still an experiment; docs/results/real_cpu.md).
+REAL_JACOBI = "runs/smollm2_jacobi_forcing_lora/stages/00-round1"
 REAL_STEPS: tuple[Step, ...] = (
     bench("import", ["smollm2-135m-instruct"], (), module="pardec.cli.import_model"),
     train("smollm2_sft"),
@@ -138,7 +140,7 @@ REAL_STEPS: tuple[Step, ...] = (
                            "--goal-drop", "0.03", "--goal-reuse", "2", "--max-new-tokens", "96", "--threads", "2",
                            "--out", f"{REAL}/cpu_refusion"], (SMOLLM2, REAL_REFUSION),
           module="pardec.benchmarks.refusion"),
-    train("smollm2_jacobi_forcing", "00-round1"),
+    train("smollm2_jacobi_forcing_lora", "00-round1"),
     # One round (the conversion's budget); n chosen among 4, 8, 16 on 30 val problems (for TPS), no training-cost
     # table (an embedded-default result).
     bench("cpu_jacobi_forcing", ["--base", f"{SMOLLM2}/hf", "--round1", f"{REAL_JACOBI}/hf", "--wide-block-size", "0",
