@@ -111,8 +111,8 @@ REAL_IDLM = "runs/smollm2_idlm_lora/stages/02-stride4"
 # ReFusion with the same LoRA: 12 and 13 test points more (two builds) than full fine-tuning (smollm2_refusion,
 # still an experiment), at the same TPF (docs/results/real_cpu.md).
 REAL_REFUSION = "runs/smollm2_refusion_lora"
-# Jacobi Forcing with the same LoRA: 2.5 test points more and TPF 1.44 against full fine-tuning's 1.35
-# (smollm2_jacobi_forcing, still an experiment; docs/results/real_cpu.md).
+# Jacobi Forcing with the same LoRA: 2.5 and 3.5 test points more (two builds; TPF 1.44 against 1.35 at n=8 in
+# the first) than full fine-tuning (smollm2_jacobi_forcing, still an experiment; docs/results/real_cpu.md).
 REAL_JACOBI = "runs/smollm2_jacobi_forcing_lora/stages/00-round1"
 REAL_STEPS: tuple[Step, ...] = (
     bench("import", ["smollm2-135m-instruct"], (), module="pardec.cli.import_model"),
