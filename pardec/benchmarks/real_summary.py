@@ -61,7 +61,7 @@ GPU_RUN = "PROBLEMS=30 bash scripts/real_model_gpu.sh (docs/results/real_gpu.md)
 GPU_RUN_H200 = "PROBLEMS=30 RISD=0 EVAL_SPLITS=test bash scripts/real_model_gpu.sh (docs/results/real_gpu.md)"
 IDLM_CPU = "python -m pardec.cli.reproduce --real --only smollm2_idlm_lora cpu_idlm"
 REFUSION_CPU = "python -m pardec.cli.reproduce --real --only smollm2_refusion_lora cpu_refusion"
-JACOBI_CPU = "python -m pardec.cli.reproduce --real --only smollm2_jacobi_forcing_lora cpu_jacobi_forcing"
+JACOBI_CPU = "python -m pardec.cli.reproduce --real --only smollm2_jacobi_forcing_lora_long cpu_jacobi_forcing"
 MDM_CPU = "python -m pardec.cli.reproduce --real --only smollm2_mdm cpu_mdm_flashdlm"
 COVER_CPU = "python -m pardec.cli.reproduce --real --only smollm2_mdm cpu_cover"
 H200 = "H200"
@@ -107,9 +107,9 @@ ROWS: tuple[RealRow, ...] = (
             "R-ISD N=3", "smollm2_risd", "base", RISD_CPU),
     RealRow("I-DLM", "I-DLM (stride 4, LoRA r=64) on the CPU SFT base as an Intel CPU re-built it", CPU, "cpu_idlm",
             ISD, isd_chosen, lambda data: f"ISD N={data['chosen_stride']}", "smollm2_idlm_lora", "own", IDLM_CPU),
-    *(RealRow("Jacobi Forcing", "Jacobi Forcing round 1 (LoRA r=64) on the CPU SFT base as an Intel CPU re-built it",
-              CPU, "cpu_jacobi_forcing", "jacobi_forcing", jacobi_chosen(kind), jacobi_short(kind, short),
-              "smollm2_jacobi_forcing_lora", "own", JACOBI_CPU)
+    *(RealRow("Jacobi Forcing", "Jacobi Forcing round 1 (LoRA r=64, 900 steps) on the CPU SFT base as an Intel CPU "
+              "re-built it", CPU, "cpu_jacobi_forcing", "jacobi_forcing", jacobi_chosen(kind),
+              jacobi_short(kind, short), "smollm2_jacobi_forcing_lora_long", "own", JACOBI_CPU)
       for kind, short in (("jacobi", "Jacobi"), ("multiblock", "multi-block"))),
     RealRow("ReFusion", "ReFusion (LoRA r=64) on the CPU SFT base as an Intel CPU re-built it", CPU, "cpu_refusion",
             "refusion", refusion_chosen, "ReFusion", "smollm2_refusion_lora", None, REFUSION_CPU),
