@@ -29,7 +29,8 @@
 # decoding modes, in that order ("graphs" alone saves the eager table's minutes in a short device session).
 # THREADS (default 8): the benchmarks' CPU threads (--threads; 2 for a --smoke run on a 2-core machine).
 # Decoding is fp32, so "lossless" is checked token for token without bf16 rounding. Tables go to
-# benchmarks/results/real/gpu_*_<gpu>, the training commands' wall times to gpu_conversions_<gpu>.json
+# benchmarks/results/real/gpu_*_<gpu>, the training commands' wall times (and the trainer's summed training
+# seconds) to gpu_conversions_<gpu>.json
 # (a conversion's entry once its tables are written, replacing the same run's from an earlier session: a
 # conversion stopped before its tables leaves the entry of the one the tables show; the SFT base's first
 # entry stays: the summary's AR row is of that session's base), their
@@ -68,7 +69,7 @@ sft=runs/smollm2_sft_gpu$tag risd=runs/smollm2_risd_gpu$tag idlm=runs/smollm2_id
 refusion=runs/smollm2_refusion_gpu$tag jacobi=runs/smollm2_jacobi_forcing_gpu$tag
 last_stage=$([ -n "$tag" ] && echo 01-stride4 || echo 02-stride4)
 gpu=$($py -c "import torch; print(torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else 'cpu')")
-walls=runs/real_gpu_walls$tag.tsv  # <run> <wall seconds>, one line per finished training command
+walls=runs/real_gpu_walls$tag.tsv  # <run> <wall seconds> [<training seconds>], one line per finished training command
 train_log=runs/real_gpu_train$tag.log  # every training command's whole output (the screen gets its last lines)
 
 stamp() { echo "[$(date +%H:%M:%S)] $*"; }
@@ -78,21 +79,28 @@ import json, os, sys
 walls, out, *runs = sys.argv[1:]
 saved = json.load(open(out)) if os.path.exists(out) else {}  # earlier sessions' runs on this GPU model stay
 rows = [line.split("\t") for line in open(walls).read().splitlines()] if os.path.exists(walls) else []
-new = {name: {"wall_seconds": int(seconds)} for name, seconds in rows if name in runs}
+new = {name: {"wall_seconds": int(seconds), **({"training_seconds": float(training[0])} if training else {})}
+       for name, seconds, *training in rows if name in runs}
 # Every session fine-tunes its own SFT base: the first one saved stays (the summary's AR row decodes with that
 # session's base); a later session's base time is in its walls file and log.
 new = {name: entry for name, entry in new.items() if not (name.startswith("smollm2_sft_gpu") and name in saved)}
-json.dump({**saved, **new}, open(out, "w"), indent=2)
+open(out, "w").write(json.dumps({**saved, **new}, indent=2) + "\n")
 PY
 }
 train() {  # train <run dir> <overrides...>: skipped when the run (its last stage) is done
   local done_file=$1; shift
   if [ -f "$done_file" ]; then stamp "done already: $done_file"; return; fi
   stamp "pardec-train $*"
-  local start=$SECONDS
+  local start=$SECONDS from
+  touch "$train_log"; from=$(($(wc -c <"$train_log") + 1))  # this command's output starts at byte $from
   $py -m pardec.cli.train "$@" logging.progress_bar=false 2>&1 | tee -a "$train_log" | grep -v -E "^\s*$" | tail -n 25
-  stamp "wall $((SECONDS - start)) s: $*"
-  printf '%s\t%s\n' "$(basename "$(dirname "$done_file" | sed 's|/stages/.*||')")" $((SECONDS - start)) >>"$walls"
+  # the trainer logs "stage <dir>: N steps in T s of training" per stage: their sum is the training time
+  local training
+  training=$(tail -c +$from "$train_log" | awk 'match($0, /steps in [0-9.]+ s of training/) {
+    split(substr($0, RSTART, RLENGTH), w, " "); t += w[3]; n++ } END { if (n) printf "%.1f", t }')
+  stamp "wall $((SECONDS - start)) s${training:+ ($training s of training)}: $*"
+  printf '%s\t%s%s\n' "$(basename "$(dirname "$done_file" | sed 's|/stages/.*||')")" $((SECONDS - start)) \
+    "${training:+$'\t'$training}" >>"$walls"
 }
 
 train $sft/DONE experiment=smollm2_sft_gpu experiment_name=smollm2_sft_gpu$tag "${tiny_data[@]}" "${tiny_steps[@]}"
