@@ -77,7 +77,8 @@ def test_a_claim_below_100_percent_is_not_verified(folders, tmp_path):
     assert [r.source for r in missing] == ["cpu_risd", "cpu_risd", "cpu_idlm", "cpu_jacobi_forcing",
                                            "cpu_jacobi_forcing", "cpu_refusion", *["cpu_mdm_flashdlm"] * 5,
                                            *["cpu_cover"] * 3, "gpu_idlm_isd_graphs_h200",
-                                           "gpu_idlm_isd_graphs_h200", *["gpu_mdm_flashdlm_h200"] * 5,
+                                           "gpu_idlm_isd_graphs_h200", "gpu_refusion_graphs_h200",
+                                           *["gpu_mdm_flashdlm_graphs_h200"] * 5,
                                            *["gpu_mdm_flashdlm_bidir_h200"] * 4, *["gpu_cover_bidir_h200"] * 3,
                                            *["gpu_cover_block32_h200"] * 3, *["gpu_jacobi_forcing_graphs_h200"] * 2]
 
@@ -176,7 +177,8 @@ def test_gpu_script_keeps_the_first_sft_base_and_replaces_a_conversion(tmp_path)
     """``scripts/real_model_gpu.sh``'s merge of a session's wall times into ``gpu_conversions_<gpu>.json``
     (its Python heredoc, run as the script runs it, with the runs whose tables are written): a rerun
     conversion replaces its entry, a new one is added, one not named (its tables not written) is left out,
-    earlier sessions' entries stay, and the SFT base saved first stays (the summary's AR row)."""
+    earlier sessions' entries stay, and the SFT base saved first stays (the summary's AR row); a run's training
+    seconds (the walls file's third column, when the trainer logged them) are saved beside its wall time."""
     script = (Path(__file__).parents[1] / "scripts" / "real_model_gpu.sh").read_text()
     merge = script.split("<<'PY'\n", 1)[1].split("\nPY\n", 1)[0]
     out = tmp_path / "gpu_conversions_h200.json"
@@ -184,14 +186,14 @@ def test_gpu_script_keeps_the_first_sft_base_and_replaces_a_conversion(tmp_path)
                                "smollm2_idlm_gpu": {"wall_seconds": 239}, "smollm2_mdm_gpu": {"wall_seconds": 153},
                                "smollm2_mdm_block32_gpu": {"wall_seconds": 108}}))
     walls = tmp_path / "walls.tsv"
-    walls.write_text("smollm2_sft_gpu\t90\nsmollm2_mdm_gpu\t140\nsmollm2_jacobi_forcing_gpu\t250\n"
+    walls.write_text("smollm2_sft_gpu\t90\nsmollm2_mdm_gpu\t140\t81.9\nsmollm2_jacobi_forcing_gpu\t250\n"
                      "smollm2_mdm_block32_gpu\t138\n")
     named = ["smollm2_sft_gpu", "smollm2_mdm_gpu", "smollm2_jacobi_forcing_gpu"]
     subprocess.run([sys.executable, "-", str(walls), str(out), *named], input=merge, text=True, check=True)
     assert json.loads(out.read_text()) == {
         "smollm2_sft_gpu": {"wall_seconds": 94, "training_seconds": 57.2}, "smollm2_idlm_gpu": {"wall_seconds": 239},
-        "smollm2_mdm_gpu": {"wall_seconds": 140}, "smollm2_mdm_block32_gpu": {"wall_seconds": 108},
-        "smollm2_jacobi_forcing_gpu": {"wall_seconds": 250}}
+        "smollm2_mdm_gpu": {"wall_seconds": 140, "training_seconds": 81.9},
+        "smollm2_mdm_block32_gpu": {"wall_seconds": 108}, "smollm2_jacobi_forcing_gpu": {"wall_seconds": 250}}
     out.unlink()  # a first session on this GPU model records its base
     subprocess.run([sys.executable, "-", str(walls), str(out), *named], input=merge, text=True, check=True)
     assert json.loads(out.read_text())["smollm2_sft_gpu"] == {"wall_seconds": 90}
@@ -199,13 +201,16 @@ def test_gpu_script_keeps_the_first_sft_base_and_replaces_a_conversion(tmp_path)
 
 def run_gpu_script(tmp_path: Path, failing_module: str = "", **env: str) -> subprocess.CompletedProcess:
     """``scripts/real_model_gpu.sh`` copied into an empty checkout (no ``runs/``: a fresh clone, a bare device
-    machine) and run with a stub interpreter: ``-m`` commands (training, benchmarks) only echo, and
-    ``failing_module`` fails; every other call is the real interpreter."""
+    machine) and run with a stub interpreter: ``-m`` commands (training, benchmarks) only echo (training also
+    logs two stages of 1.5 s of training each, as the trainer words it), and ``failing_module`` fails; every
+    other call is the real interpreter."""
     (tmp_path / "scripts").mkdir(parents=True)
     script = tmp_path / "scripts" / "real_model_gpu.sh"
     script.write_text((Path(__file__).parents[1] / "scripts" / "real_model_gpu.sh").read_text())
     stub = tmp_path / "python_stub"
-    stub.write_text(f'#!/bin/sh\nif [ "$1" = -m ]; then echo "stub: $*"; [ "$2" != "{failing_module}" ]; exit; fi\n'
+    stub.write_text('#!/bin/sh\nif [ "$2" = pardec.cli.train ]; then for s in 0 1; do\n'
+                    '  echo "[INFO] - stage runs/x/stages/0$s: 3 steps in 1.5 s of training"; done; fi\n'
+                    f'if [ "$1" = -m ]; then echo "stub: $*"; [ "$2" != "{failing_module}" ]; exit; fi\n'
                     f'exec "{sys.executable}" "$@"\n')
     stub.chmod(0o755)
     env = {"PATH": "/usr/bin:/bin", "PYTHON": str(stub), "EVAL_SPLITS": "", "IDLM": "0", "CUDA_VISIBLE_DEVICES": "",
@@ -225,7 +230,8 @@ def test_gpu_script_runs_in_a_fresh_clone_without_runs(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     train_log = (tmp_path / "runs" / "real_gpu_train.log").read_text()
     assert "stub: -m pardec.cli.train experiment=smollm2_sft_gpu" in train_log
-    assert list(saved_conversions(tmp_path)) == ["smollm2_sft_gpu"]
+    (name, saved), = saved_conversions(tmp_path).items()
+    assert name == "smollm2_sft_gpu" and saved["training_seconds"] == 3.0  # the two stages' lines, summed
 
 
 @pytest.mark.parametrize("table_fails", [False, True])
