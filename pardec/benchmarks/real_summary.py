@@ -65,7 +65,10 @@ JACOBI_CPU = "python -m pardec.cli.reproduce --real --only smollm2_jacobi_forcin
 MDM_CPU = "python -m pardec.cli.reproduce --real --only smollm2_mdm cpu_mdm_flashdlm"
 COVER_CPU = "python -m pardec.cli.reproduce --real --only smollm2_mdm cpu_cover"
 H200 = "H200"
-GPU_RUN_MDM = "PROBLEMS=20 IDLM=0 MDM=1 EVAL_SPLITS= bash scripts/real_model_gpu.sh (docs/results/real_gpu.md)"
+GPU_RUN_MDM = ("PROBLEMS=20 IDLM=0 MDM=1 MDM_TABLES=flashdlm DECODE_MODES=graphs EVAL_SPLITS= "
+               "bash scripts/real_model_gpu.sh (docs/results/real_gpu.md)")
+GPU_RUN_REFUSION = ("PROBLEMS=20 IDLM=0 REFUSION=1 REFUSION_VAL=6 DECODE_MODES=graphs EVAL_SPLITS= "
+                    "bash scripts/real_model_gpu.sh (docs/results/real_gpu.md)")
 MDM_FLASHDLM_ROWS = (  # (label in the mdm_flashdlm table, plot label, lossless w.r.t.)
     ("MDM low-confidence, 1 token/step (baseline)", "LLaDA 1/step", None),
     ("MDM Fast-dLLM threshold tau=0.9 (prefix cache)", "Fast-dLLM", None),
@@ -127,9 +130,13 @@ ROWS: tuple[RealRow, ...] = (
             "AR greedy", "smollm2_sft_gpu@h200", "base", GPU_RUN_H200),
     RealRow("I-DLM", "I-DLM (stride 4) on the H200 run's SFT base", H200_GRAPHS, "gpu_idlm_isd_graphs_h200", ISD,
             "ISD N=4 greedy", "ISD N=4", "smollm2_idlm_gpu@h200", "own", GPU_RUN_H200),
-    # A later H200 session: its own SFT base (its wall time is in docs/results/real_gpu.md), eager decoding.
-    *(RealRow("MDM", "MDM (block 2) on the H200 MDM run's SFT base", H200, "gpu_mdm_flashdlm_h200", "mdm_flashdlm",
-              label, short, "smollm2_mdm_gpu@h200", lossless, GPU_RUN_MDM)
+    # The sixth H200 session (2026-12-04): ReFusion and the block-2 MDM on that session's SFT base, every row's
+    # decode step a CUDA graph (the block-2 MDM's eager table of an earlier conversion, gpu_mdm_flashdlm_h200, is in
+    # docs/results/real_gpu.md; its conversion's wall time was replaced by this session's).
+    RealRow("ReFusion", "ReFusion on the sixth H200 run's SFT base", H200_GRAPHS, "gpu_refusion_graphs_h200",
+            "refusion", refusion_chosen, "ReFusion", "smollm2_refusion_gpu@h200", None, GPU_RUN_REFUSION),
+    *(RealRow("MDM", "MDM (block 2) on the sixth H200 run's SFT base", H200_GRAPHS, "gpu_mdm_flashdlm_graphs_h200",
+              "mdm_flashdlm", label, short, "smollm2_mdm_gpu@h200", lossless, GPU_RUN_MDM)
       for label, short, lossless in MDM_FLASHDLM_ROWS),
     # A third H200 session: blocks of 32, bidirectional and block-causal, both on that session's SFT base (eager;
     # Fast-dLLM is in the COVER tables, which have no AR row: TPS / base AR "—" there).
