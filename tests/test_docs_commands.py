@@ -103,15 +103,21 @@ def simple_commands(line: str) -> list[list[str]]:
     return out
 
 
+SHARED_FLAGS = "pardec.benchmarks.common"  # add_runtime_args, add_bound_args
+
+
 def argparse_flags(module: str) -> set[str] | None:
-    """The ``--flags`` a pardec module's argparse parser defines (string constants of its source), or
-    None when the module has no argparse parser (Hydra entry points, torchrun)."""
+    """The ``--flags`` a pardec module's argparse parser defines (string constants of its source, and of
+    ``pardec.benchmarks.common`` where it adds the shared benchmark flags from there), or None when the
+    module has no argparse parser (Hydra entry points, torchrun)."""
     spec = importlib.util.find_spec(module)
     source = Path(spec.origin).read_text()
-    if "add_argument(" not in source:
+    shared = module != SHARED_FLAGS and any(f"{helper}(" in source for helper in ("add_runtime_args", "add_bound_args"))
+    if "add_argument(" not in source and not shared:
         return None
-    return {node.value for node in ast.walk(ast.parse(source))
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("--")}
+    flags = {node.value for node in ast.walk(ast.parse(source))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("--")}
+    return flags | argparse_flags(SHARED_FLAGS) if shared else flags
 
 
 def module_problems(module: str, args: list[str]) -> list[str]:

@@ -1,8 +1,9 @@
-"""Pieces every decoding benchmark shares: the held-out problems, exact-identity scoring, and writing
-a table with the command and the machine that made it."""
+"""Pieces every decoding benchmark shares: the runtime flags, the held-out problems, exact-identity
+scoring, and writing a table with the command and the machine that made it."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 import sys
@@ -23,6 +24,28 @@ RESULTS = Path("benchmarks/results")
 # Beside the tables: which machine wrote each one (keyed by the table's file stem). TPS and wall times
 # compare only within one machine; ratios measured within one run stand on any.
 MACHINES = "machines.json"
+
+
+def add_runtime_args(p: argparse.ArgumentParser, *, threads: int = 2, cuda_graphs: bool = True) -> None:
+    """The flags every decoding benchmark takes alike: ``--template``, ``--device``, ``--dtype``,
+    ``--threads`` (CPU threads, default ``threads``) and, where the rows decode with the inference
+    decoders (``cuda_graphs``), ``--cuda-graphs``."""
+    p.add_argument("--template", default="auto", choices=["auto", "plain", "chat"],
+                   help="prompt format (auto: the tokenizer's chat template when it has one)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=threads)
+    if cuda_graphs:
+        p.add_argument("--cuda-graphs", action="store_true",
+                       help="every row decodes with cuda_graphs=true (static cache, each forward a CUDA graph)")
+
+
+def add_bound_args(p: argparse.ArgumentParser, widest: str) -> None:
+    """The flags of the TPF · t(1) / t(q) bound printed beside each TPS ratio, ``widest`` naming the
+    decoder's widest forward (``"n"``, ``"2N-1"``)."""
+    p.add_argument("--no-bound", action="store_true", help=f"skip the TPF · t(1)/t({widest}) bound")
+    p.add_argument("--bound-cache", type=int, default=128, help="KV cache length of the bound's forwards")
+    p.add_argument("--bound-repeats", type=int, default=30)
 
 
 def or_dash(value: Any, spec: str, suffix: str = "") -> str:

@@ -40,6 +40,7 @@ import torch
 from pardec.benchmarks.chunks import decode_all, progress_note
 from pardec.benchmarks.common import (
     RESULTS,
+    add_runtime_args,
     current_machine,
     held_out_rows,
     identical,
@@ -86,13 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--taus", default="0.7,0.8,0.9", help="COVER tau_draft grid, tuned on the validation split")
     p.add_argument("--select", choices=SELECT_RULES, default="accuracy",
                    help="how tau_draft is chosen on validation (module docstring)")
-    p.add_argument("--template", default="auto", choices=["auto", "plain", "chat"],
-                   help="prompt format (auto: the tokenizer's chat template when it has one)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="every row decodes with cuda_graphs=true (static buffers, each forward a CUDA graph)")
+    add_runtime_args(p, threads=1)
     p.add_argument("--chunk-dir", default=None,
                    help="decode the test rows in chunks of problems saved here, resumed when run again "
                         "(pardec.benchmarks.chunks)")

@@ -42,6 +42,8 @@ import torch
 
 from pardec.benchmarks.common import (
     RESULTS,
+    add_bound_args,
+    add_runtime_args,
     fastest_lossless,
     identical,
     invoked_command,
@@ -65,21 +67,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-samples", type=int, default=200)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--split", default="test", choices=["test", "val"])
     p.add_argument("--strides", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--num-val", type=int, default=0,
                    help="choose N among --strides on this many val problems first (highest TPS, lossless)")
     p.add_argument("--no-sample", action="store_true", help="greedy ISD rows only")
-    p.add_argument("--template", default="auto", choices=["auto", "plain", "chat"],
-                   help="auto: the chat template where the tokenizer has one (a chat model), else plain")
-    p.add_argument("--no-bound", action="store_true", help="skip the TPF · t(1)/t(2N-1) bound")
-    p.add_argument("--bound-cache", type=int, default=128, help="KV cache length of the bound's forwards")
-    p.add_argument("--bound-repeats", type=int, default=30)
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="every row decodes with cuda_graphs=true (static cache, each step width a CUDA graph)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_runtime_args(p)
+    add_bound_args(p, "2N-1")
     p.add_argument("--out", default=str(RESULTS / "idlm_isd"))
     return p.parse_args(argv)
 

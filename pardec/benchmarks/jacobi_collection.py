@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from pardec.benchmarks.common import RESULTS, invoked_command, write_results
+from pardec.benchmarks.common import RESULTS, add_runtime_args, invoked_command, write_results
 from pardec.common.kv_cache import cached_step_attention
 from pardec.data_pipelines.config import DataConfig
 from pardec.data_pipelines.jacobi_trajectories import (
@@ -49,10 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--greedy-atol", type=float, default=None, help="null: 0 in float32, 0.5 in 16-bit")
-    p.add_argument("--template", default="auto", choices=["auto", "plain", "chat"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--threads", type=int, default=2)
+    add_runtime_args(p, cuda_graphs=False)
     p.add_argument("--out", default=str(RESULTS / "jacobi_collection"))
     args = p.parse_args(argv)
     if args.num_prompts < 1 or min(args.batch_sizes) < 1:

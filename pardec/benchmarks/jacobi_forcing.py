@@ -79,6 +79,8 @@ from omegaconf import OmegaConf
 
 from pardec.benchmarks.common import (
     RESULTS,
+    add_bound_args,
+    add_runtime_args,
     fastest_lossless,
     identical,
     invoked_command,
@@ -134,16 +136,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--val-block-sizes", type=int, nargs="+", default=[4, 8, 16], help="the n tried on val")
     p.add_argument("--choose-multiblock-n", action="store_true",
                    help="val also runs multi-block at every n and chooses its n on its own (default: Jacobi's n)")
-    p.add_argument("--template", default="auto", choices=["auto", "plain", "chat"],
-                   help="prompt format (auto: the tokenizer's chat template when it has one)")
-    p.add_argument("--no-bound", action="store_true", help="skip the TPF · t(1)/t(n) bound")
-    p.add_argument("--bound-cache", type=int, default=128, help="KV cache length of the bound's forwards")
-    p.add_argument("--bound-repeats", type=int, default=30)
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="every row decodes with cuda_graphs=true (static cache, each step width a CUDA graph)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--threads", type=int, default=2)
+    add_runtime_args(p)
+    add_bound_args(p, "n")
     p.add_argument("--out", default=str(RESULTS / "jacobi_forcing"))
     return p.parse_args(argv)
 

@@ -33,7 +33,15 @@ import argparse
 import torch
 
 from pardec.benchmarks.chunks import decode_all, progress_note
-from pardec.benchmarks.common import RESULTS, identical, invoked_command, or_dash, split_rows, write_results
+from pardec.benchmarks.common import (
+    RESULTS,
+    add_runtime_args,
+    identical,
+    invoked_command,
+    or_dash,
+    split_rows,
+    write_results,
+)
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.mdm_common import default_block_size, mdm_info
 from pardec.inference.decoders.registry import build_decoder
@@ -52,13 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="decoding block (default: the MDM's attention block for block models, else 32)")
     p.add_argument("--threshold", type=float, default=0.9)
     p.add_argument("--rows", default="all", help="comma-separated row keys to run (see ROWS), or all")
-    p.add_argument("--template", default="auto", choices=["auto", "plain", "chat"],
-                   help="prompt format (auto: the tokenizer's chat template when it has one)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="every row decodes with cuda_graphs=true (static cache, each step width a CUDA graph)")
+    add_runtime_args(p)
     p.add_argument("--chunk-dir", default=None,
                    help="decode in chunks of problems saved here, resumed when run again (pardec.benchmarks.chunks)")
     p.add_argument("--chunk-size", type=int, default=10, help="problems per chunk (with --chunk-dir)")

@@ -43,6 +43,7 @@ import torch
 
 from pardec.benchmarks.common import (
     RESULTS,
+    add_runtime_args,
     held_out_rows,
     identical,
     invoked_command,
@@ -80,13 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--goal-tpf", type=float, default=2.5, help="goal: TPF at least this ...")
     p.add_argument("--goal-drop", type=float, default=0.02, help="... within this accuracy drop of the base")
     p.add_argument("--goal-reuse", type=float, default=1.5, help="goal: KV reuse TPS / recomputation TPS")
-    p.add_argument("--template", default="auto", choices=["auto", "plain", "chat"],
-                   help="prompt rendering (auto: the tokenizer's chat template when it has one)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="every row decodes with cuda_graphs=true (static cache, each step width a CUDA graph)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_runtime_args(p)
     p.add_argument("--out", default=str(RESULTS / "refusion"))
     return p.parse_args(argv)
 
