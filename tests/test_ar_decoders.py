@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -43,6 +44,17 @@ def test_kv_cached_greedy_matches_no_cache_reference(arch):
     for i, prompt in enumerate(PROMPTS):
         [result] = ar().decode(model, [prompt], NO_EOS, [i])
         assert result.tokens == reference_greedy(model, prompt, 10)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_cached_decoding_passes_the_cache_by_its_current_keyword(arch):
+    """transformers >= 5.24 takes the cache as ``cache`` and warns on ``past_key_values`` (a FutureWarning,
+    the old name announced to go in 5.40): prefill and cached steps must not use the old name."""
+    model = tiny_model(30, arch)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values", category=FutureWarning)
+        [result] = ar(batch_size=2).decode(model, PROMPTS[:1], NO_EOS, [0])
+    assert len(result.tokens) == 10
 
 
 def test_batched_greedy_matches_batch_one():

@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_dir
 from transformers import DynamicCache, Qwen3Config
 
 from pardec.common.errors import ConfigError
+from pardec.common.kv_cache import CACHE_KEYWORD, cache_argument
 from pardec.data_pipelines.idlm_batch import build_idlm_batch
 from pardec.inference.config import validate_validate_config
 from pardec.inference.decoders.isd import (
@@ -185,7 +186,7 @@ def test_step_forward_with_cache_and_4d_mask_equals_training_layout(arch, attn):
     assert (c + stride) % block == 0
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=torch.tensor([clean[:c]]), position_ids=torch.arange(c)[None], past_key_values=cache,
+        model(input_ids=torch.tensor([clean[:c]]), position_ids=torch.arange(c)[None], **cache_argument(cache),
               use_cache=True)
         step = step_forward(model, cache, clean[c:], MASK, stride - 1)  # [2N-1, V]
     assert cache.get_seq_length() == c + 2 * stride - 1
@@ -254,10 +255,11 @@ class CountingLM(torch.nn.Module):
         self.device_anchor = torch.nn.Parameter(torch.zeros(()))
         self.calls: list[dict] = []
 
-    def forward(self, input_ids, position_ids, past_key_values, attention_mask=None, **_):
-        cached = past_key_values.get_seq_length()
+    def forward(self, input_ids, position_ids, attention_mask=None, **kwargs):
+        cache = kwargs[CACHE_KEYWORD]
+        cached = cache.get_seq_length()
         pairs = torch.stack([input_ids, position_ids], -1).float()[:, None]  # [1, 1, q, 2]
-        keys, _ = past_key_values.update(pairs, pairs, 0)
+        keys, _ = cache.update(pairs, pairs, 0)
         tokens, positions = keys[0, 0, :, 0].long(), keys[0, 0, :, 1].long()  # [kv]
         self.calls.append({"cached": tokens[:cached].tolist(), "inputs": input_ids[0].tolist(),
                            "positions": position_ids[0].tolist()})

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from transformers import DynamicCache, Qwen3Config
 
 from pardec.common.errors import ConfigError
+from pardec.common.kv_cache import CACHE_KEYWORD
 from pardec.inference.decoders import multiblock
 from pardec.inference.decoders.decode_steps import DynamicSteps, StaticSteps
 from pardec.inference.decoders.jacobi import init_draft
@@ -167,14 +168,15 @@ class RuleLM(torch.nn.Module):
     def dtype(self) -> torch.dtype:  # as a PreTrainedModel has (the decoders build masks in it)
         return self.weight.dtype
 
-    def forward(self, input_ids, position_ids, past_key_values, attention_mask=None, use_cache=True, logits_to_keep=0):
-        cached = past_key_values.get_seq_length()
+    def forward(self, input_ids, position_ids, attention_mask=None, use_cache=True, logits_to_keep=0, **kwargs):
+        cache = kwargs[CACHE_KEYWORD]
+        cached = cache.get_seq_length()
         first = int(position_ids[0, 0])
         assert cached == first, f"cache holds {cached} entries, first input at position {first}"
         if cached:
-            keys = past_key_values.layers[0].keys[0, 0, :, 0]
+            keys = cache.layers[0].keys[0, 0, :, 0]
             assert keys.tolist() == list(range(cached)), "cache entries out of order"
-        past_key_values.update(position_ids.float()[:, None, :, None], input_ids.float()[:, None, :, None], 0)
+        cache.update(position_ids.float()[:, None, :, None], input_ids.float()[:, None, :, None], 0)
         nxt = [self.rule(t, p + 1) for t, p in zip(input_ids[0].tolist(), position_ids[0].tolist())]
         logits = F.one_hot(torch.tensor([nxt]), self.config.vocab_size).float()  # [1, q, V]
         return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)

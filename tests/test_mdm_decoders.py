@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 from pardec.common.constants import MASK_TOKEN
 from pardec.common.errors import CheckpointError, ConfigError
+from pardec.common.kv_cache import cache_argument
 from pardec.inference.decoders.ar import ARDecoder, ARDecoderConfig
 from pardec.inference.decoders.registry import build_decoder
 from pardec.inference.evaluate import evaluate
@@ -295,7 +296,7 @@ def full_kv(model, tokens: torch.Tensor, prompt_len: int, attention: str, attn_b
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=tokens[None], position_ids=torch.arange(n)[None], attention_mask=mask,
-              past_key_values=cache, use_cache=True)
+              **cache_argument(cache), use_cache=True)
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 

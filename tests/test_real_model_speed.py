@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from pardec.benchmarks import real_model_speed
+from pardec.common.kv_cache import CACHE_KEYWORD
 from tests.conftest import save_chat_checkpoint
 
 
@@ -35,7 +36,7 @@ def test_widths_are_timed_in_turn_from_the_same_cache(tmp_path):
     original = model.forward
 
     def recording_forward(*args, **kwargs):
-        seen.append((kwargs["input_ids"].shape[1], kwargs["past_key_values"].get_seq_length()))
+        seen.append((kwargs["input_ids"].shape[1], kwargs[CACHE_KEYWORD].get_seq_length()))
         return original(*args, **kwargs)
 
     model.forward = recording_forward

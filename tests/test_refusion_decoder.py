@@ -12,6 +12,7 @@ from transformers import DynamicCache
 import pardec.inference.decoders.refusion as refusion_module
 from pardec.common.constants import MASK_TOKEN
 from pardec.common.errors import ConfigError
+from pardec.common.kv_cache import cache_argument
 from pardec.common.metadata import CheckpointMetadata
 from pardec.inference.decoders.decode_steps import step_width
 from pardec.inference.decoders.refusion import ReFusionDecoder, ReFusionDecoderConfig
@@ -115,7 +116,7 @@ def reference_kv(model, ctx):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=torch.tensor([[e[0] for e in log]]), position_ids=torch.tensor([[e[1] for e in log]]),
-              attention_mask=mask, past_key_values=cache, use_cache=True)
+              attention_mask=mask, **cache_argument(cache), use_cache=True)
     index = torch.tensor(ctx.where)
     return [(layer.keys[:, :, index], layer.values[:, :, index]) for layer in cache.layers]
 

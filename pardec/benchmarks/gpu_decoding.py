@@ -58,7 +58,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from pardec.benchmarks.common import RESULTS, held_out_rows, identical, write_results
 from pardec.benchmarks.mask_backends import VOCAB, gpu_busy_ms, qwen25_05b_shape
-from pardec.common.kv_cache import crop_cache
+from pardec.common.kv_cache import cache_argument, crop_cache
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.base import synchronize
 from pardec.inference.decoders.isd import StepMasks, resolve_stride
@@ -116,7 +116,7 @@ def timed_forward(model, cache: DynamicCache, ids: torch.Tensor) -> float:
     """Seconds of one cached forward of ``ids`` [1, q]; the cache is cropped back after it."""
     synchronize(ids.device)
     start = time.perf_counter()
-    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    model(input_ids=ids, **cache_argument(cache), use_cache=True)
     synchronize(ids.device)
     elapsed = time.perf_counter() - start
     cache.crop(-ids.shape[1])  # negative: drop the q entries just written
@@ -132,7 +132,7 @@ def latency_table(args) -> tuple[list[dict], str]:
     rows = []
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
-        model(input_ids=rand(args.cache), past_key_values=cache, use_cache=True)
+        model(input_ids=rand(args.cache), **cache_argument(cache), use_cache=True)
         for q in QUERY_TOKENS:
             ids = rand(q)
             for _ in range(3):
@@ -266,7 +266,7 @@ def step_rows(base: str, device: str, steps: int, label: str, names: list[str] |
         """ms per step after a random prompt of ``prompt_len`` (distinct per call: no shape repeats)."""
         q, isd_shape, growth = STEP_KINDS[kind]
         cache = DynamicCache(config=model.config)
-        model(input_ids=torch.randint(0, vocab, (1, prompt_len), generator=g).to(device), past_key_values=cache,
+        model(input_ids=torch.randint(0, vocab, (1, prompt_len), generator=g).to(device), **cache_argument(cache),
               use_cache=True)
         masks = StepMasks(model.dtype, device)
         synchronize(model.device)
@@ -276,7 +276,7 @@ def step_rows(base: str, device: str, steps: int, label: str, names: list[str] |
             ids = torch.randint(0, vocab, (1, q), generator=g).to(device)  # [1, q]
             positions = torch.arange(cache_len, cache_len + q, device=device).unsqueeze(0)  # [1, q]
             mask = masks.get(cache_len, *isd_shape) if isd_shape else None  # [1, 1, q, cache_len + q]
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_argument(cache),
                            use_cache=True).logits
             logits[0].argmax(-1).tolist()  # the decoders read every step's argmax on the host
             crop_cache(cache, cache_len + (growth if growing else 0))
@@ -340,7 +340,7 @@ def graphs_table(args) -> list[dict]:
     max_len = prompt_len + args.graph_steps + 1
 
     def step(cache, ids, position):  # one AR step: [1, 1] -> logits [1, 1, V]
-        return model(input_ids=ids, position_ids=position.view(1, 1), cache_position=position, past_key_values=cache,
+        return model(input_ids=ids, position_ids=position.view(1, 1), cache_position=position, **cache_argument(cache),
                      use_cache=True, logits_to_keep=1).logits
 
     compiled_step = torch.compile(step, mode="reduce-overhead")
@@ -354,7 +354,7 @@ def graphs_table(args) -> list[dict]:
             cache = static_cache
             cache.reset()
         run = compiled_step if kind == "compiled" else step
-        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits  # prefill
+        logits = model(input_ids=prompt, **cache_argument(cache), use_cache=True, logits_to_keep=1).logits  # prefill
         token, tokens = logits[:, -1].argmax(-1, keepdim=True), []  # [1, 1]
         synchronize(device)
         start = time.perf_counter()

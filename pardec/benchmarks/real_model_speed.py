@@ -28,7 +28,7 @@ import torch
 from transformers import DynamicCache
 
 from pardec.benchmarks.common import RESULTS, held_out_rows, identical, invoked_command, or_dash, write_results
-from pardec.common.kv_cache import crop_cache
+from pardec.common.kv_cache import cache_argument, crop_cache
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.evaluate import evaluate
 
@@ -61,13 +61,13 @@ def forward_latencies(model, widths: list[int], cache_len: int, repeats: int) ->
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
         model(input_ids=torch.randint(0, vocab, (1, cache_len), generator=generator).to(device),
-              past_key_values=cache, use_cache=True)
+              **cache_argument(cache), use_cache=True)
         for i in range(repeats + 2):
             for width in widths:
                 ids = torch.randint(0, vocab, (1, width), generator=generator).to(device)
                 positions = torch.arange(cache_len, cache_len + width, device=device).unsqueeze(0)
                 start = time.perf_counter()
-                logits = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True).logits
+                logits = model(input_ids=ids, position_ids=positions, **cache_argument(cache), use_cache=True).logits
                 logits[0].argmax(-1).tolist()  # the decoders read the argmax back: part of a step
                 if i >= 2:
                     times[width].append(time.perf_counter() - start)

@@ -66,7 +66,7 @@ import torch
 from transformers import DynamicCache
 
 from pardec.common.attention import without_flex_attention
-from pardec.common.kv_cache import cached_step_attention, crop_cache, left_pad
+from pardec.common.kv_cache import cache_argument, cached_step_attention, crop_cache, left_pad
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def _forward(model, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tens
     """Causal forward of ``ids [b, l]`` at ``positions [b, l]`` after the cached prefix; ``mask
     [b, cached + l]`` is the padding mask of the cached and the new tokens. Returns the logits
     ``[b, l, V]``, or of the last ``keep`` positions only when ``keep > 0``."""
-    return model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+    return model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_argument(cache), use_cache=True,
                  logits_to_keep=keep).logits
 
 

@@ -21,7 +21,7 @@ import torch
 
 from pardec.common.config_fields import ranged
 from pardec.common.errors import ConfigError
-from pardec.common.kv_cache import left_pad
+from pardec.common.kv_cache import cache_argument, left_pad
 from pardec.common.metadata import AR, MASKED_AR
 from pardec.inference.decoders.base import Decoder, DecoderConfig, DecodeResult, LoopTimer, model_device, prefill
 from pardec.inference.decoders.decode_steps import StepsPool, causal_block
@@ -92,7 +92,7 @@ class ARDecoder(Decoder):
                     input_ids=step_ids,
                     attention_mask=mask,
                     position_ids=positions,
-                    past_key_values=cache,
+                    **cache_argument(cache),
                     use_cache=True,
                     logits_to_keep=1,
                 )

@@ -55,6 +55,7 @@ from transformers import DynamicCache
 
 from pardec.common.config_fields import check_config, ranged
 from pardec.common.errors import ConfigError
+from pardec.common.kv_cache import cache_argument
 
 
 @dataclass
@@ -190,7 +191,7 @@ def prefill(model, context_ids: torch.Tensor, attention_mask: torch.Tensor) -> D
             input_ids=context_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache,
+            **cache_argument(cache),
             use_cache=True,
             logits_to_keep=1,
         )

@@ -56,7 +56,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, StaticCache
 
-from pardec.common.kv_cache import crop_cache, select_cache_entries
+from pardec.common.kv_cache import cache_argument, crop_cache, select_cache_entries
 from pardec.inference.decoders.base import model_device, prefill
 
 BUCKET = 512  # static cache lengths are multiples of this: a longer problem re-allocates rarely
@@ -88,7 +88,7 @@ def dynamic_step(model, cache: DynamicCache, ids: Sequence[int], block: torch.Te
         mask = torch.nn.functional.pad(block, (cache_len, 0))  # [1, 1, q, cache_len + q]
     else:
         mask = torch.cat([context, block], -1)  # [1, 1, q, cache_len + q]
-    out = model(input_ids=ids_t, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+    out = model(input_ids=ids_t, attention_mask=mask, position_ids=positions, **cache_argument(cache), use_cache=True)
     return out.logits[0]  # [q, V]
 
 
@@ -254,7 +254,7 @@ class StaticSteps:
             length.copy_(self._length)
         out = self.model(input_ids=step.ids, attention_mask=mask[None, None],
                          position_ids=(self._length + step.offsets)[None], cache_position=slots,
-                         past_key_values=self.cache, use_cache=True)
+                         **cache_argument(self.cache), use_cache=True)
         return out.logits  # [1, q, V]
 
 
