@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import transformers
 from packaging.version import Version
-from transformers import DynamicCache
+from transformers import Cache, DynamicCache
 
 CACHE_KEYWORD = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
 """The keyword a transformers model's forward takes its KV cache by. transformers 5.24 renamed
@@ -16,7 +16,7 @@ CACHE_KEYWORD = "cache" if Version(transformers.__version__) >= Version("5.24") 
 5.40); 5.18-5.23, inside our pin, know only the old name."""
 
 
-def cache_argument(cache: DynamicCache | None) -> dict[str, DynamicCache | None]:
+def cache_argument(cache: Cache | None) -> dict[str, Cache | None]:
     """``{CACHE_KEYWORD: cache}``, to pass a KV cache to a model's forward as ``model(..., **cache_argument(cache))``
     under every transformers version the pin allows."""
     return {CACHE_KEYWORD: cache}
