@@ -110,3 +110,39 @@ def test_multiblock_n_chosen_on_its_own(tmp_path):
 def test_num_val_reports_on_test(tmp_path):
     with pytest.raises(SystemExit, match="drop --split val"):
         main(["--base", str(tmp_path), "--round1", str(tmp_path), "--num-val", "2", "--split", "val"])
+
+
+def test_skip_rows_leaves_the_lossless_rows(tmp_path):
+    """--skip-rows base-jacobi multiblock: AR greedy of each model and the round's Jacobi row only, n still
+    chosen on val; the markdown and the JSON say what was left out and chosen_labels names no skipped row."""
+    base = save_base_and_round1(tmp_path)
+    out = tmp_path / "result"
+    main(["--base", str(base), "--round1", str(tmp_path / "round1"), "--num-samples", "2", "--max-new-tokens", "8",
+          "--num-val", "2", "--val-block-sizes", "2", "4", "--wide-block-size", "8", "--no-training-table",
+          "--no-bound", "--threads", "1", "--skip-rows", "base-jacobi", "multiblock", "--out", str(out)])
+    payload = json.loads(out.with_suffix(".json").read_text())
+    n = payload["chosen_block_size"]
+    assert [r["decoder"] for r in payload["decoding"]] == [
+        "AR greedy (base)", "AR greedy (round 1)", f"Jacobi n={n} (round 1" + (")" if n == 4 else ", trained at n=4)"),
+        "Jacobi n=8 (round 1, trained at n=4)"]
+    assert all(r["identical_to_own_ar"] == 1.0 for r in payload["decoding"])
+    assert payload["skipped_rows"] == ["base-jacobi", "multiblock"]
+    assert list(payload["chosen_labels"]) == ["jacobi"]
+    assert "Rows skipped (--skip-rows): base-jacobi, multiblock." in out.with_suffix(".md").read_text()
+
+
+def test_skip_rows_one_kind_keeps_the_other(tmp_path):
+    base = save_base_and_round1(tmp_path)
+    out = tmp_path / "result"
+    main(["--base", str(base), "--round1", str(tmp_path / "round1"), "--num-samples", "1", "--max-new-tokens", "4",
+          "--wide-block-size", "0", "--no-training-table", "--no-bound", "--threads", "1",
+          "--skip-rows", "base-jacobi", "--out", str(out)])
+    labels = [r["decoder"] for r in json.loads(out.with_suffix(".json").read_text())["decoding"]]
+    assert labels == ["AR greedy (base)", "AR greedy (round 1)", "Jacobi n=4 (round 1)",
+                      "Multi-block + recycling n=4 K=2 r=0.85 pool=4 verify=4 (round 1)"]
+
+
+def test_skipping_multiblock_refuses_choosing_its_n(tmp_path):
+    with pytest.raises(SystemExit, match="--skip-rows multiblock"):
+        main(["--base", str(tmp_path), "--round1", str(tmp_path), "--num-val", "2", "--choose-multiblock-n",
+              "--skip-rows", "multiblock"])

@@ -62,6 +62,11 @@ phase also runs the last round's multi-block at every n, and multi-block's n is 
 same rule among those rows (``chosen_multiblock_block_size``, ``multiblock_choice_rule``; without it
 multi-block decodes at Jacobi's n, and ``chosen_multiblock_block_size`` is that n).
 
+A shorter test table (``--skip-rows``): ``base-jacobi`` drops the untrained base's Jacobi row,
+``multiblock`` every multi-block row; what is left still answers accuracy, losslessness (each round's
+Jacobi against its own AR greedy), TPF and TPS / base AR. The markdown names the rows skipped, the JSON
+records them (``skipped_rows``) and ``chosen_labels`` names only rows that ran.
+
 Writes ``benchmarks/results/jacobi_forcing.{md,json}`` (``--out``).
 """
 
@@ -104,6 +109,7 @@ from pardec.losses.jacobi import jacobi_forcing_loss
 from pardec.methods.base import forward_logits
 
 AR_WEIGHT = 30.0  # pardec/recipes/experiment/jacobi_forcing_default.yaml
+SKIPPABLE_ROWS = ("base-jacobi", "multiblock")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -136,6 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--val-block-sizes", type=int, nargs="+", default=[4, 8, 16], help="the n tried on val")
     p.add_argument("--choose-multiblock-n", action="store_true",
                    help="val also runs multi-block at every n and chooses its n on its own (default: Jacobi's n)")
+    p.add_argument("--skip-rows", nargs="+", default=[], choices=SKIPPABLE_ROWS,
+                   help="leave these rows out of the tables: the untrained base's Jacobi row, every multi-block row")
     add_runtime_args(p)
     add_bound_args(p, "n")
     p.add_argument("--out", default=str(RESULTS / "jacobi_forcing"))
@@ -201,7 +209,14 @@ def decoding_rows(args, trained: dict[str, int], chosen: int | None,
     if wide_n:
         rows += [(jacobi_label(wide_n, last, trained[last]), last, jacobi_config(args, wide_n)),
                  multiblock_row(args, wide_n, last)]
-    return rows
+    return [row for row in rows if not skipped(args, row)]
+
+
+def skipped(args, row: tuple[str, str, dict]) -> bool:
+    """Whether ``--skip-rows`` leaves this (label, model key, decoder config) row out."""
+    _, which, decoder = row
+    return (("base-jacobi" in args.skip_rows and which == "base" and decoder["name"] == "jacobi")
+            or ("multiblock" in args.skip_rows and decoder["name"] == "multiblock"))
 
 
 def validation_rows_for_n(args, trained: dict[str, int]) -> list[tuple[str, str, dict]]:
@@ -401,6 +416,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.num_val and args.split == "val":
         raise SystemExit("--num-val chooses n on val to report on test: drop --split val")
+    if args.choose_multiblock_n and "multiblock" in args.skip_rows:
+        raise SystemExit("--choose-multiblock-n chooses the n of rows that --skip-rows multiblock leaves out: drop one")
     torch.set_num_threads(args.threads)
     eval_rows = split_rows(args.split, args.num_samples)
 
@@ -431,7 +448,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{args.split.capitalize()} split:", ""]
     lines += markdown(table, bound)
     lines.append(f"\n{len(eval_rows)} {args.split} problems, batch 1, {args.dtype} on {args.device}, "
-                 f"<= {args.max_new_tokens} new tokens, template {args.template}.")
+                 f"<= {args.max_new_tokens} new tokens, template {args.template}."
+                 + (f" Rows skipped (--skip-rows): {', '.join(args.skip_rows)}." if args.skip_rows else ""))
     e = efficiency
     lines += [] if e is None else [
         "",
@@ -449,13 +467,16 @@ def main(argv: list[str] | None = None) -> None:
     md = "\n".join(lines)
     print(md)
     command = invoked_command("pardec.benchmarks.jacobi_forcing")
-    payload = {"command": command, "decoding": table, "training_efficiency": efficiency}
+    payload = {"command": command, "decoding": table, "training_efficiency": efficiency,
+               "skipped_rows": args.skip_rows}
     if validation is not None:
         last = names[-1]
+        labels = {"jacobi": jacobi_label(chosen, last, trained[last]),
+                  "multiblock": multiblock_row(args, chosen_multiblock or chosen, last)[0]}
+        ran = {r["decoder"] for r in table}
         payload.update(validation=validation, chosen_block_size=chosen, choice_rule=rule,
                        chosen_multiblock_block_size=chosen_multiblock or chosen, multiblock_choice_rule=multiblock_rule,
-                       chosen_labels={"jacobi": jacobi_label(chosen, last, trained[last]),
-                                      "multiblock": multiblock_row(args, chosen_multiblock or chosen, last)[0]})
+                       chosen_labels={kind: label for kind, label in labels.items() if label in ran})
     write_results(args.out, command, md, payload)
 
 
