@@ -92,20 +92,42 @@ def test_no_results_and_a_missing_row_are_named(folders, tmp_path):
         real_summary.build(results, {})
 
 
+def refusion_json(results: Path, chosen: str, first_token: str, threshold: float, rows: list[dict]) -> None:
+    (results / "cpu_refusion.json").write_text(json.dumps({
+        "chosen_label": chosen, "chosen_first_token": first_token, "chosen_threshold": threshold, "test": rows}))
+
+
 def test_refusion_row_is_the_setting_chosen_on_validation(folders):
     """The ReFusion benchmark's JSON is a dict: its test rows, and the label of the setting it chose on
-    val; the row makes no lossless claim, and "= own AR" may be absent (--no-own-ar)."""
+    val; with the paper's first token the row makes no lossless claim, and "= own AR" may be absent
+    (--no-own-ar)."""
     results = folders
     chosen, other = "ReFusion b=16 tau=0.7 first_token=mask", "ReFusion b=16 tau=0.5 first_token=mask"
     rows = [bench_row("AR greedy (base)", 1.0, 1.0, 1.0), bench_row(other, 0.2, 3.1, 2.0),
             bench_row(chosen, 0.3, 2.6, 1.8)]
     for row in rows:
         row["identical_to_own_ar"] = None
-    (results / "cpu_refusion.json").write_text(json.dumps({"chosen_label": chosen, "test": rows}))
+    refusion_json(results, chosen, "mask", 0.7, rows)
     table, _ = real_summary.build(results, {})
     (refusion,) = [r for r in table if r["method"] == "ReFusion"]
     assert (refusion["decoder"], refusion["tpf"], refusion["tps_ratio"]) == (chosen, 2.6, 1.8)
     assert refusion["lossless"] == "no" and not refusion["lossless_verified"]
+
+
+@pytest.mark.parametrize("threshold, own_identity, lossless", [
+    (0.7, 1.0, "yes (= own AR)"),  # the AR head's first token at tau >= 0.5: own AR greedy by construction
+    (0.7, 0.9, "claimed (= own AR) but 90.0% identical"),  # a claim is verified only by the measurement
+    (0.3, 0.9, "no"),  # below 0.5 an accepted token need not be the argmax: no claim
+])
+def test_refusion_with_the_ar_heads_first_token_claims_its_own_ar(folders, threshold, own_identity, lossless):
+    results = folders
+    chosen = f"ReFusion b=8 tau={threshold:g} first_token=ar"
+    row = bench_row(chosen, 0.4, 2.6, 1.5)
+    row["identical_to_own_ar"] = own_identity
+    refusion_json(results, chosen, "ar", threshold, [bench_row("AR greedy (base)", 1.0, 1.0, 1.0), row])
+    table, _ = real_summary.build(results, {})
+    (refusion,) = [r for r in table if r["method"] == "ReFusion"]
+    assert refusion["lossless"] == lossless and refusion["lossless_verified"] == (lossless == "yes (= own AR)")
 
 
 def test_isd_and_jacobi_rows_are_at_the_n_chosen_on_validation(folders):
@@ -132,7 +154,7 @@ def test_a_missing_chosen_row_is_listed_by_its_short_name(folders):
     results = folders
     table, missing = real_summary.build(results, {})
     text = real_summary.markdown(table, missing)
-    assert ("- ReFusion, ReFusion (LoRA r=64) on the CPU SFT base as an Intel CPU re-built it, "
+    assert ("- ReFusion, ReFusion (LoRA r=64) on the CPU SFT base, "
             "ReFusion (chosen on val) (CPU, 2 cores)") in text
 
 

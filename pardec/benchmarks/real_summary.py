@@ -25,7 +25,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pardec.benchmarks.common import MACHINES, RESULTS, or_dash
-from pardec.benchmarks.summary import SOURCES, cover_chosen, lossless_status, minutes, refusion_chosen
+from pardec.benchmarks.summary import (
+    SOURCES,
+    cover_chosen,
+    lossless_status,
+    minutes,
+    refusion_chosen,
+    refusion_lossless,
+)
 from pardec.benchmarks.summary import conversion_seconds as cpu_conversion_seconds
 
 REAL_RESULTS = RESULTS / "real"
@@ -39,7 +46,7 @@ class RealRow:
     on validation), ``short`` its label in the plot (a string or such a callable); ``conversion`` the
     run that trained the checkpoint (its wall time's key);
     ``lossless`` the AR greedy the decoder reproduces by construction ("base" or "own"), None for no
-    claim."""
+    claim (or a callable that reads it from the JSON, where it depends on the setting chosen on val)."""
 
     method: str
     checkpoint: str
@@ -49,7 +56,7 @@ class RealRow:
     decoder: str | Callable[[object], str]
     short: str | Callable[[object], str]  # plot label (a callable reads the setting chosen on val)
     conversion: str
-    lossless: str | None
+    lossless: str | None | Callable[[object], str | None]
     command: str
 
 
@@ -114,8 +121,8 @@ ROWS: tuple[RealRow, ...] = (
               "re-built it", CPU, "cpu_jacobi_forcing", "jacobi_forcing", jacobi_chosen(kind),
               jacobi_short(kind, short), "smollm2_jacobi_forcing_lora_long", "own", JACOBI_CPU)
       for kind, short in (("jacobi", "Jacobi"), ("multiblock", "multi-block"))),
-    RealRow("ReFusion", "ReFusion (LoRA r=64) on the CPU SFT base as an Intel CPU re-built it", CPU, "cpu_refusion",
-            "refusion", refusion_chosen, "ReFusion", "smollm2_refusion_lora", None, REFUSION_CPU),
+    RealRow("ReFusion", "ReFusion (LoRA r=64) on the CPU SFT base", CPU, "cpu_refusion",
+            "refusion", refusion_chosen, "ReFusion", "smollm2_refusion_lora", refusion_lossless, REFUSION_CPU),
     *(RealRow("MDM", "MDM (block 2) on the CPU SFT base", CPU, "cpu_mdm_flashdlm", "mdm_flashdlm", label, short,
               "smollm2_mdm", lossless, MDM_CPU) for label, short, lossless in MDM_FLASHDLM_ROWS),
     *(RealRow("MDM", "MDM (block 2) on the CPU SFT base", CPU, "cpu_cover", "cover", label, short, "smollm2_mdm",
@@ -183,7 +190,8 @@ def build(results_dir: Path, seconds: dict[str, float]) -> tuple[list[dict], lis
         result = by_label[label]
         base_identity = result.get(source.identical_to_base) if source.identical_to_base else None
         own_identity = result.get(source.identical_to_own) if source.identical_to_own else None
-        verified, lossless = lossless_status(row, base_identity, own_identity)
+        claim = row.lossless(data) if callable(row.lossless) else row.lossless
+        verified, lossless = lossless_status(dataclasses.replace(row, lossless=claim), base_identity, own_identity)
         table.append({
             "method": row.method, "checkpoint": row.checkpoint, "hardware": row.hardware, "decoder": label,
             "source": row.source, "accuracy": result["accuracy"], "identical_to_base": base_identity,

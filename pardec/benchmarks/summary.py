@@ -85,6 +85,12 @@ def refusion_chosen(data) -> str:
     return data["chosen_label"]
 
 
+def refusion_lossless(data) -> str | None:
+    """"own" where the chosen setting reproduces the checkpoint's own AR greedy by construction: the AR
+    head's first token and tau >= 0.5 (``pardec.inference.decoders.refusion``); None otherwise."""
+    return "own" if data["chosen_first_token"] == "ar" and data["chosen_threshold"] >= 0.5 else None
+
+
 def cover_chosen(data) -> str:
     """The COVER row at the tau_draft the benchmark chose on validation (not its ablations)."""
     return next(r["decoder"] for r in data["test"] if re.fullmatch(r"COVER tau=[0-9.]+", r["decoder"]))
