@@ -7,10 +7,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from pardec.benchmarks.mdm_teacher_forced import ar_guesses, mdm_guesses, score
+from pardec.benchmarks.mdm_teacher_forced import ar_guesses, mdm_guesses, prompt_and_answer, score
 from pardec.data_pipelines.config import DataConfig
 from pardec.data_pipelines.synthetic_tokenizer import build_synthetic_tokenizer
-from tests.conftest import tiny_model
+from tests.conftest import EVAL_ROWS, chat_bpe_tokenizer, tiny_model, tiny_tokenizer
 
 torch.set_num_threads(1)
 
@@ -74,3 +74,26 @@ def test_score_counts_digits_and_whole_problems():
     assert result["accuracy_digits"] == pytest.approx(7 / 8)
     assert result["accuracy_other"] == 1.0
     assert result["all_correct"] == 0.5
+
+
+def test_prompt_and_answer_follow_the_chat_template_a_chat_base_was_trained_on():
+    """A chat tokenizer's probe prompt is the rendered user turn with the generation prompt, and its answer
+    the rendered assistant turn up to and including ``<|im_end|>`` (where decoding stops), not the raw text."""
+    tok, row = chat_bpe_tokenizer(), EVAL_ROWS[0]
+    prompt, answer = prompt_and_answer(tok, row)
+    rendered = tok.apply_chat_template([{"role": "user", "content": row["prompt"]},
+                                        {"role": "assistant", "content": row["response"]}], tokenize=False)
+    assert rendered.startswith(tok.decode(prompt + answer)) and rendered != tok.decode(prompt + answer)
+    assert tok.decode(prompt).endswith("<|im_start|>assistant\n") and row["prompt"] in tok.decode(prompt)
+    assert answer[-1] == tok.convert_tokens_to_ids("<|im_end|>") and answer.count(answer[-1]) == 1
+    assert tok.decode(answer[:-1]) == row["response"]
+    assert prompt_and_answer(tok, row, "plain") == (tok(row["prompt"], add_special_tokens=False)["input_ids"],
+                                                    tok(row["response"], add_special_tokens=False)["input_ids"]
+                                                    + [tok.eos_token_id])
+
+
+def test_prompt_and_answer_without_a_chat_template_are_the_plain_text_and_eos():
+    tok, row = tiny_tokenizer(), EVAL_ROWS[1]
+    prompt, answer = prompt_and_answer(tok, row)
+    assert prompt == tok(row["prompt"], add_special_tokens=False)["input_ids"]
+    assert answer == tok(row["response"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]

@@ -1,7 +1,9 @@
 # python -m pardec.benchmarks.mdm_teacher_forced --base runs/default_base/hf --mdm runs/mdm_default/hf
 """Where an MDM conversion loses accuracy: next-token accuracy with the true answer prefix given.
 
-For each problem and each answer position j (the response and its EOS), the MDM sees the state of
+For each problem and each answer position j (the response and its stop token: EOS, or the end of turn
+under a chat template; prompt and answer tokenised as the recipes do, ``--template``, so a chat base is
+scored on the format it was fine-tuned on), the MDM sees the state of
 left-to-right decoding after j correct commits: ``prompt + answer[:j]`` followed by ``<|mask|>`` up
 to ``--gen-length`` answer positions, under the checkpoint's own attention (``pardec.masks.mdm``, as the
 MDM decoders build it). With the logit shift, its argmax at position ``P + j - 1`` is its guess for
@@ -24,6 +26,7 @@ import argparse
 import torch
 
 from pardec.benchmarks.common import RESULTS, invoked_command, or_dash, split_rows, write_results
+from pardec.data_pipelines.tokenize import encode_example, stop_token_ids
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.mdm_common import mdm_info
 from pardec.inference.decoders.mdm_guided import check_guide_tokenizer
@@ -39,6 +42,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-samples", type=int, default=50)
     p.add_argument("--split", choices=("val", "test"), default="val")
     p.add_argument("--gen-length", type=int, default=64, help="answer positions the MDM sees (the decoders' L)")
+    p.add_argument("--template", default="auto", choices=["auto", "plain", "chat"],
+                   help="prompt format, as data.template (auto: the tokenizer's chat template when it has one)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=str(RESULTS / "mdm_teacher_forced"))
     return p.parse_args()
@@ -68,18 +73,22 @@ def ar_guesses(model, prompt: list[int], answer: list[int]) -> list[int]:
     return logits[len(prompt) - 1:].argmax(-1).tolist()
 
 
-def prompt_and_answer(tok, row) -> tuple[list[int], list[int]]:
-    """A problem's prompt ids and its answer ids (the response and EOS), as the recipes tokenise them."""
-    prompt = tok(row["prompt"], add_special_tokens=False)["input_ids"]
-    return prompt, tok(row["response"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+def prompt_and_answer(tok, row, template: str = "auto") -> tuple[list[int], list[int]]:
+    """A problem's prompt ids and its answer ids, as the recipes tokenise them under ``template``
+    (``encode_example``; ``auto``: the chat template for a chat tokenizer, the format a chat base was
+    fine-tuned on), the answer cut after its first stop token (EOS or the end of turn): where decoding stops."""
+    ids, p_len = encode_example(tok, row["prompt"], row["response"], template)
+    answer, stops = ids[p_len:], stop_token_ids(tok)
+    end = next((i for i, token in enumerate(answer) if token in stops), len(answer) - 1)
+    return ids[:p_len], answer[:end + 1]
 
 
-def score(rows, tok, guess) -> dict:
+def score(rows, tok, guess, template: str = "auto") -> dict:
     """Per-token accuracy (all, digits, other) and the share of problems with every token right."""
     hits = {"all": [0, 0], "digits": [0, 0], "other": [0, 0]}
     perfect = 0
     for row in rows:
-        prompt, answer = prompt_and_answer(tok, row)
+        prompt, answer = prompt_and_answer(tok, row, template)
         right = [g == a for g, a in zip(guess(prompt, answer), answer, strict=True)]
         perfect += all(right)
         for token, ok in zip(answer, right):
@@ -102,9 +111,10 @@ def main() -> None:
     check_guide_tokenizer(base, mdm_tok)  # the base must share the MDM's tokenizer, <|mask|> aside
 
     table = [
-        {"model": f"base AR ({args.base}), causal", **score(rows, tok, lambda p, a: ar_guesses(base, p, a))},
+        {"model": f"base AR ({args.base}), causal",
+         **score(rows, tok, lambda p, a: ar_guesses(base, p, a), args.template)},
         {"model": f"MDM ({args.mdm}), {mdm_info(mdm).attention}, {args.gen_length} answer positions",
-         **score(rows, tok, lambda p, a: mdm_guesses(mdm, p, a, args.gen_length))},
+         **score(rows, tok, lambda p, a: mdm_guesses(mdm, p, a, args.gen_length), args.template)},
     ]
     lines = ["| model | tokens | next-token accuracy | on digits | on other tokens | problems all right |",
              "|---|---|---|---|---|---|"]

@@ -4,7 +4,8 @@
 ReFusion's ARM loss trains next-token targets inside a slot only (docs/methods/refusion.md#loss): a
 slot's first token is never a next-token target, and the decoder takes it from the plan (the mask head). So the
 conversion's own AR greedy can lose accuracy at slot starts while keeping it inside slots. For each
-problem and each answer position j (the response and its EOS), each model sees the true prefix
+problem and each answer position j (the response and its stop token, tokenised as the recipes do:
+``mdm_teacher_forced.prompt_and_answer``, ``--template``), each model sees the true prefix
 ``prompt + answer[:j]`` causally (``pardec.benchmarks.mdm_teacher_forced.ar_guesses``, one forward per
 problem) and its argmax is scored against ``answer[j]``. Positions are split into slot starts
 (``j % k == 0``, answer slots of k tokens from the first answer token, as the recipe cuts them) and
@@ -42,6 +43,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--split", choices=("val", "test"), default="val")
     p.add_argument("--slot-size", type=int, default=None, help="k (default: the checkpoint's pardec.slot_size)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="the decoders' target length (caps the masks)")
+    p.add_argument("--template", default="auto", choices=["auto", "plain", "chat"],
+                   help="prompt format, as data.template (auto: the tokenizer's chat template when it has one)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=str(RESULTS / "refusion_teacher_forced"))
     return p.parse_args()
@@ -85,7 +88,7 @@ def main() -> None:
     base, tok = load_checkpoint(args.base, device="cpu", dtype="float32")
     refusion, refusion_tok = load_checkpoint(args.refusion, device="cpu", dtype="float32")
     k = resolve_slot_size(refusion, args.slot_size)
-    prompts, answers = zip(*(prompt_and_answer(tok, row) for row in rows), strict=True)
+    prompts, answers = zip(*(prompt_and_answer(tok, row, args.template) for row in rows), strict=True)
     table = []
     for label, model in ((f"base AR ({args.base})", base), (f"ReFusion ({args.refusion}), its AR head", refusion)):
         guesses = [ar_guesses(model, p, a) for p, a in zip(prompts, answers, strict=True)]

@@ -94,7 +94,10 @@ def format_prompt_ids(tokenizer, prompt: str, template: str) -> list[int]:
     ))
 
 
-def _encode(tokenizer, prompt: str, response: str, template: str) -> tuple[list[int], int]:
+def encode_example(tokenizer, prompt: str, response: str, template: str) -> tuple[list[int], int]:
+    """(prompt + response token ids, the prompt's length) as training sees one example under ``template``
+    (``plain``: the response then EOS; ``chat``: the rendered conversation, whose tail after the end-of-turn
+    token is the template's own)."""
     template = resolve_template(tokenizer, template)
     prompt_ids = format_prompt_ids(tokenizer, prompt, template)
     if template == "plain":
@@ -123,7 +126,7 @@ def tokenize_dataset(
     def encode_batch(batch):
         ids, prompt_lens = [], []
         for prompt, response in zip(batch["prompt"], batch["response"]):
-            seq, p_len = _encode(tokenizer, prompt, response, template)
+            seq, p_len = encode_example(tokenizer, prompt, response, template)
             ids.append(seq)
             prompt_lens.append(p_len)
         return {"input_ids": ids, "prompt_len": prompt_lens, "length": [len(s) for s in ids]}
