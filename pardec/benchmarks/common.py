@@ -26,12 +26,17 @@ RESULTS = Path("benchmarks/results")
 MACHINES = "machines.json"
 
 
+def add_template_arg(p: argparse.ArgumentParser) -> None:
+    """``--template``: the prompt format, as ``data.template`` (every benchmark that tokenises prompts)."""
+    p.add_argument("--template", default="auto", choices=["auto", "plain", "chat"],
+                   help="prompt format (auto: the tokenizer's chat template when it has one)")
+
+
 def add_runtime_args(p: argparse.ArgumentParser, *, threads: int = 2, cuda_graphs: bool = True) -> None:
     """The flags every decoding benchmark takes alike: ``--template``, ``--device``, ``--dtype``,
     ``--threads`` (CPU threads, default ``threads``) and, where the rows decode with the inference
     decoders (``cuda_graphs``), ``--cuda-graphs``."""
-    p.add_argument("--template", default="auto", choices=["auto", "plain", "chat"],
-                   help="prompt format (auto: the tokenizer's chat template when it has one)")
+    add_template_arg(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=threads)

@@ -25,7 +25,7 @@ import argparse
 
 import torch
 
-from pardec.benchmarks.common import RESULTS, invoked_command, or_dash, split_rows, write_results
+from pardec.benchmarks.common import RESULTS, add_template_arg, invoked_command, or_dash, split_rows, write_results
 from pardec.data_pipelines.tokenize import encode_example, stop_token_ids
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.mdm_common import mdm_info
@@ -42,8 +42,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-samples", type=int, default=50)
     p.add_argument("--split", choices=("val", "test"), default="val")
     p.add_argument("--gen-length", type=int, default=64, help="answer positions the MDM sees (the decoders' L)")
-    p.add_argument("--template", default="auto", choices=["auto", "plain", "chat"],
-                   help="prompt format, as data.template (auto: the tokenizer's chat template when it has one)")
+    add_template_arg(p)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=str(RESULTS / "mdm_teacher_forced"))
     return p.parse_args()

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pardec.benchmarks.common import RESULTS, invoked_command, or_dash, split_rows, write_results
+from pardec.benchmarks.common import RESULTS, add_template_arg, invoked_command, or_dash, split_rows, write_results
 from pardec.benchmarks.mdm_teacher_forced import ar_guesses, prompt_and_answer
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.refusion import resolve_slot_size
@@ -43,8 +43,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--split", choices=("val", "test"), default="val")
     p.add_argument("--slot-size", type=int, default=None, help="k (default: the checkpoint's pardec.slot_size)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="the decoders' target length (caps the masks)")
-    p.add_argument("--template", default="auto", choices=["auto", "plain", "chat"],
-                   help="prompt format, as data.template (auto: the tokenizer's chat template when it has one)")
+    add_template_arg(p)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=str(RESULTS / "refusion_teacher_forced"))
     return p.parse_args()
