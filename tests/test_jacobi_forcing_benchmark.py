@@ -128,6 +128,7 @@ def test_skip_rows_leaves_the_lossless_rows(tmp_path):
     assert all(r["identical_to_own_ar"] == 1.0 for r in payload["decoding"])
     assert payload["skipped_rows"] == ["base-jacobi", "multiblock"]
     assert list(payload["chosen_labels"]) == ["jacobi"]
+    assert "chosen_multiblock_block_size" not in payload and "multiblock_choice_rule" not in payload
     assert "Rows skipped (--skip-rows): base-jacobi, multiblock." in out.with_suffix(".md").read_text()
 
 

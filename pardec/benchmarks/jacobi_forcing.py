@@ -65,7 +65,8 @@ multi-block decodes at Jacobi's n, and ``chosen_multiblock_block_size`` is that 
 A shorter test table (``--skip-rows``): ``base-jacobi`` drops the untrained base's Jacobi row,
 ``multiblock`` every multi-block row; what is left still answers accuracy, losslessness (each round's
 Jacobi against its own AR greedy), TPF and TPS / base AR. The markdown names the rows skipped, the JSON
-records them (``skipped_rows``) and ``chosen_labels`` names only rows that ran.
+records them (``skipped_rows``) and ``chosen_labels`` names only rows that ran (with ``multiblock``
+skipped, no ``chosen_multiblock_block_size`` or ``multiblock_choice_rule`` either).
 
 Writes ``benchmarks/results/jacobi_forcing.{md,json}`` (``--out``).
 """
@@ -475,8 +476,10 @@ def main(argv: list[str] | None = None) -> None:
                   "multiblock": multiblock_row(args, chosen_multiblock or chosen, last)[0]}
         ran = {r["decoder"] for r in table}
         payload.update(validation=validation, chosen_block_size=chosen, choice_rule=rule,
-                       chosen_multiblock_block_size=chosen_multiblock or chosen, multiblock_choice_rule=multiblock_rule,
                        chosen_labels={kind: label for kind, label in labels.items() if label in ran})
+        if "multiblock" not in args.skip_rows:  # no n for a decoder that did not run
+            payload.update(chosen_multiblock_block_size=chosen_multiblock or chosen,
+                           multiblock_choice_rule=multiblock_rule)
     write_results(args.out, command, md, payload)
 
 
