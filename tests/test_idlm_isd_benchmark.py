@@ -52,7 +52,7 @@ def test_n_is_the_fastest_lossless_greedy_row_on_val():
         4, "none of the greedy rows is identical to own AR greedy on val: the highest TPS")
 
 
-def test_n_chosen_on_val_then_the_test_rows_use_it(tmp_path):
+def test_n_chosen_on_val_then_the_test_rows_use_it_and_the_test_strides(tmp_path):
     base = save_chat_checkpoint(tmp_path / "base")
     result = run_in_process([
         f"output_dir={tmp_path / 'run'}", "recipe=idlm", "model=hf", f"model.path={base}", "data.pack_length=512",
@@ -60,21 +60,28 @@ def test_n_chosen_on_val_then_the_test_rows_use_it(tmp_path):
     ])
     out = tmp_path / "table"
     idlm_isd.main(["--base", str(base), "--idlm", str(result.export_dir), "--num-samples", "2", "--num-val", "2",
-                   "--strides", "2", "3", "--no-sample", "--max-new-tokens", "8", "--threads", "1",
-                   "--bound-cache", "8", "--bound-repeats", "1", "--out", str(out)])
+                   "--strides", "2", "3", "--test-strides", "4", "--no-sample", "--max-new-tokens", "8",
+                   "--threads", "1", "--bound-cache", "8", "--bound-repeats", "1", "--out", str(out)])
     data = json.loads(out.with_suffix(".json").read_text())
     assert [r["decoder"] for r in data["validation"]] == [
         "AR greedy (base)", "AR greedy (I-DLM ckpt)", "ISD N=2 greedy", "ISD N=3 greedy"]
     assert (data["chosen_stride"], data["choice_rule"]) == idlm_isd.choose_stride(data["validation"])
     n = data["chosen_stride"]
-    assert [r["decoder"] for r in data["test"]] == ["AR greedy (base)", "AR greedy (I-DLM ckpt)", f"ISD N={n} greedy"]
-    assert data["test"][2]["identical_to_own_ar"] == 1.0 and data["test"][2]["num_samples"] == 2
+    # the N chosen on val (2 or 3), then --test-strides' 4, which val never decoded
+    assert data["test_strides"] == [n, 4]
+    assert [r["decoder"] for r in data["test"]] == [
+        "AR greedy (base)", "AR greedy (I-DLM ckpt)", f"ISD N={n} greedy", "ISD N=4 greedy"]
+    for row in data["test"][2:]:
+        assert row["identical_to_own_ar"] == 1.0 and row["num_samples"] == 2
+        assert row["bound"] == pytest.approx(row["tpf"] / row["t_verify_over_t_1"])  # its width's latency measured
     md = out.with_suffix(".md").read_text()
-    assert f"N chosen here: {n}" in md and "Test split (2 problems)" in md
+    assert f"N chosen here: {n}" in md and f"Test split (2 problems; ISD at N = {n}, 4)" in md
 
 
-def test_num_val_needs_an_idlm_checkpoint_and_the_test_split(tmp_path):
+def test_num_val_needs_an_idlm_checkpoint_and_the_test_split_and_test_strides_need_num_val(tmp_path):
     with pytest.raises(SystemExit, match="give --idlm"):
         idlm_isd.main(["--base", str(tmp_path), "--risd", str(tmp_path), "--num-val", "2"])
     with pytest.raises(SystemExit, match="drop --split val"):
         idlm_isd.main(["--base", str(tmp_path), "--idlm", str(tmp_path), "--num-val", "2", "--split", "val"])
+    with pytest.raises(SystemExit, match="--test-strides adds test rows beside the N chosen on val: give --num-val"):
+        idlm_isd.main(["--base", str(tmp_path), "--idlm", str(tmp_path), "--test-strides", "4"])

@@ -150,6 +150,27 @@ def test_isd_and_jacobi_rows_are_at_the_n_chosen_on_validation(folders):
     assert "cpu_idlm" not in {r.source for r in missing} and "cpu_jacobi_forcing" not in {r.source for r in missing}
 
 
+@pytest.mark.parametrize("chosen, test_strides, decoders", [
+    (3, [3, 4], ["ISD N=3 greedy", "ISD N=4 greedy"]),  # val chose 3: the goal's N=4 is a second row
+    (4, [4], ["ISD N=4 greedy"]),  # val chose the goal's N: one row
+    (3, None, ["ISD N=3 greedy"]),  # a table from before --test-strides: the chosen row alone
+])
+def test_isd_at_the_goal_stride_is_a_second_row_where_val_chose_another(folders, chosen, test_strides, decoders):
+    results = folders
+    isd = [bench_row("AR greedy (base)", 1.0, 1.0, 1.0), bench_row("AR greedy (I-DLM ckpt)", 0.5, 1.0, 1.0),
+           *(bench_row(f"ISD N={n} greedy", 0.5, 1.0 + n / 2, 1.5) for n in sorted({chosen, *(test_strides or [])}))]
+    data = {"chosen_stride": chosen, "validation": [], "test": isd}
+    if test_strides is not None:
+        data["test_strides"] = test_strides
+    (results / "cpu_idlm.json").write_text(json.dumps(data))
+    table, missing = real_summary.build(results, {})
+    rows = [r for r in table if r["method"] == "I-DLM"]
+    assert [r["decoder"] for r in rows] == decoders
+    assert [r["short"] for r in rows] == [d.removesuffix(" greedy") for d in decoders]
+    assert [r["tpf"] for r in rows] == [1.0 + int(d[6]) / 2 for d in decoders]
+    assert "cpu_idlm" not in {r.source for r in missing}
+
+
 def test_a_missing_chosen_row_is_listed_by_its_short_name(folders):
     results = folders
     table, missing = real_summary.build(results, {})

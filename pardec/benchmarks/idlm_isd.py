@@ -20,7 +20,9 @@ way, on any ``--device`` and ``--dtype``; ``--strides`` and ``--no-sample`` choo
 both models and greedy ISD at every N of ``--strides`` on the first K val problems, N = the highest
 TPS among the greedy rows identical to the checkpoint's own AR greedy (on a CPU a wider verify forward
 costs more, so the highest TPF need not be the fastest); the ``--split`` rows then have ISD at that N
-alone, and the JSON is ``{chosen_stride, choice_rule, validation, test}`` instead of the table.
+alone, or also at the N of ``--test-strides`` (a goal stated at a fixed N, answered whichever N val
+chooses), and the JSON is ``{chosen_stride, choice_rule, test_strides, validation, test}`` instead of
+the table.
 ``--cuda-graphs`` runs every row, AR included, over a static cache with each step width captured once
 as a CUDA graph (``pardec.inference.decoders.decode_steps``), so that on a GPU TPS follows TPF.
 
@@ -71,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strides", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--num-val", type=int, default=0,
                    help="choose N among --strides on this many val problems first (highest TPS, lossless)")
+    p.add_argument("--test-strides", type=int, nargs="+", default=[],
+                   help="with --num-val: greedy ISD also at these N on the --split rows, beside the N chosen on val")
     p.add_argument("--no-sample", action="store_true", help="greedy ISD rows only")
     add_runtime_args(p)
     add_bound_args(p, "2N-1")
@@ -150,6 +154,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--num-val chooses the I-DLM checkpoint's N: give --idlm")
     if args.num_val and args.split == "val":
         raise SystemExit("--num-val chooses N on val to report on test: drop --split val")
+    if args.test_strides and not args.num_val:
+        raise SystemExit("--test-strides adds test rows beside the N chosen on val: give --num-val "
+                         "(without it the test rows decode every N of --strides)")
     eval_rows = split_rows(args.split, args.num_samples)
 
     def load(path: str):
@@ -174,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
 
     base_ar = ("AR greedy (base)", "base", {"name": "ar", **greedy}, None)
     risd_stride = resolve_stride(models["risd"][0], None) if args.risd else None
-    strides = sorted({*(args.strides if args.idlm else []), *([risd_stride] if risd_stride else [])})
+    strides = sorted({*(args.strides if args.idlm else []), *args.test_strides,
+                      *([risd_stride] if risd_stride else [])})
     latency = {} if args.no_bound else forward_latencies(
         models["base"][0], [1, *(2 * n - 1 for n in strides)], args.bound_cache, args.bound_repeats)
 
@@ -184,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         validation = measure(args, models, validation_rows(args.num_val), [base_ar, *isd_rows(args.strides, False)],
                              latency)
         chosen, rule = choose_stride(validation)
-        test_strides = [chosen]
+        test_strides = sorted({chosen, *args.test_strides})
     rows = [base_ar, *(isd_rows(test_strides, not args.no_sample) if args.idlm else [])]
     if args.risd:
         rows.append((f"R-ISD N={risd_stride} greedy (gated LoRA)", "risd",
@@ -197,9 +205,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         md = (f"Validation split ({args.num_val} problems of the generator's val split; N chosen here: {chosen}, "
               f"{rule}):\n\n{markdown(validation)}\n\n"
-              f"{args.split.capitalize()} split ({args.num_samples} problems):\n\n{markdown(table)}")
+              f"{args.split.capitalize()} split ({args.num_samples} problems; ISD at N = "
+              f"{', '.join(map(str, test_strides))}):\n\n{markdown(table)}")
         payload = {"command": command, "chosen_stride": chosen, "choice_rule": rule,
-                   "validation": validation, "test": table}
+                   "test_strides": test_strides, "validation": validation, "test": table}
     print(md)
     write_results(args.out, command, md, payload)
 
