@@ -200,6 +200,23 @@ def test_two_samples_per_row_use_segments_and_global_indices():
     assert batch["attention"].metadata["segment_ids"][1].tolist() == [0] * 5 + [-1] * 5
 
 
+def test_rows_padded_to_the_longest_keep_slots_and_pairs():
+    """pad_to=longest over two rows (36 and 38 used slots of PACK=40): the same slots as pack_length
+    padding without its last two columns, and the flat pair indices name the same slots (r * s moves)."""
+    full = build_jacobi_batch(samples(), block_size=N_BLOCK, pack_length=PACK, pad_token_id=0)
+    short = build_jacobi_batch(samples(), block_size=N_BLOCK, pack_length=PACK, pad_token_id=0, pad_to="longest")
+    assert full["input_ids"].shape == (2, PACK) and short["input_ids"].shape == (2, 38)
+    for key in ("input_ids", "position_ids", "labels"):
+        assert torch.equal(short[key], full[key][:, :38]), key
+    for key in ("segment_ids", "stream", "block_ids"):
+        assert torch.equal(short["attention"].metadata[key], full["attention"].metadata[key][:, :38]), key
+    assert full["pc_student_index"].numel() > 0
+    for key in ("pc_student_index", "pc_teacher_index"):
+        assert torch.equal(short["input_ids"].flatten()[short[key]], full["input_ids"].flatten()[full[key]]), key
+        assert torch.equal(short["position_ids"].flatten()[short[key]], full["position_ids"].flatten()[full[key]]), key
+        assert (short[key] // 38).tolist() == (full[key] // PACK).tolist(), key
+
+
 @pytest.mark.parametrize("bad,match", [
     ({"valid_lens": [2, 3]}, r"sample 0: valid_lens\[0\]=2; expected 1..3, and < 3 only in the last block"),
     ({"noisy_blocks": [[6, 11, 7], [8, 9, 12]]}, "sample 0: block 0's noisy state starts with 6 but its fixed point "

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from pardec.common.config_fields import Choice, ranged
+from pardec.data_pipelines.packing import PadTo
 from pardec.data_pipelines.synthetic_gsm import SyntheticGSMConfig
 
 
@@ -54,6 +55,10 @@ class DataConfig:
     packing: bool = True
     # Row length when packing; null = max_length.
     pack_length: Optional[int] = ranged(None, ge=1)
+    # How long a collated batch's rows are: pack_length (static shapes, for compiled kernels and CUDA
+    # graphs) or longest (the micro-batch's longest row: no forward over unused slots, the CPU choice).
+    # I-DLM, Jacobi Forcing, ReFusion and MDM read it; AR rows are always padded to the longest.
+    pad_to: PadTo = PadTo.pack_length
     # Largest fraction of a split's tokens that may be the tokenizer's unknown token (a tokenizer
     # that does not cover the text, e.g. non-ASCII text with a word-level vocabulary); above it
     # tokenisation fails naming the split, the rate and a row. null = no check (the rate is still

@@ -45,8 +45,8 @@ Either way the ``<|mask|>`` slots are supervised identically and L_mask is divid
 from L_mask's sum.
 
 Rows are packed greedily in input order up to ``pack_length`` slots and padded to exactly
-``pack_length`` (static shapes); padding has segment ``-1``, position 0, ``pad_token_id`` and no
-labels, and attends only to itself.
+``pack_length`` (static shapes), or with ``pad_to=longest`` to the longest row; padding has segment
+``-1``, position 0, ``pad_token_id`` and no labels, and attends only to itself.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from pardec.common.constants import IGNORE_INDEX
-from pardec.data_pipelines.packing import PAD_SEGMENT, checked_sample, greedy_pack, pad_rows
+from pardec.data_pipelines.packing import PAD_SEGMENT, checked_sample, greedy_pack, pad_rows, padded_length
 from pardec.masks.core import AttentionSpec
 from pardec.masks.idlm import X0, XT, idlm_mask
 
@@ -69,15 +69,17 @@ def build_idlm_batch(
     pack_length: int,
     pad_token_id: int = 0,
     supervise_last_prompt_slot: bool = False,
+    pad_to: str = "pack_length",
 ) -> dict[str, Any]:
     """Pack tokenised samples into one I-DLM batch.
 
     ``samples``: each with ``input_ids`` (prompt + answer + eos; list or 1-D tensor) and
     ``prompt_len`` (int, 0 <= prompt_len <= len(input_ids)). ``supervise_last_prompt_slot``: also
     make the (clean) x_t slot of the last prompt token an L_mask target (module docstring; off by
-    default, docs/methods/idlm.md#loss).
+    default, docs/methods/idlm.md#loss). ``pad_to``: ``pack_length`` or ``longest``
+    (``pardec.data_pipelines.packing.PadTo``).
 
-    Returns, with r rows and s = ``pack_length``:
+    Returns, with r rows and s = ``pack_length`` (``pad_to=longest``: the longest row's slots):
 
     * ``input_ids``, ``position_ids``: ``[r, s]`` long;
     * ``labels_clean_stream``: ``[r, s]``, the target token on x_0 slots whose target is an answer
@@ -99,6 +101,7 @@ def build_idlm_batch(
                 f"> pack_length={pack_length}; truncate upstream or raise pack_length"
             )
     rows = greedy_pack([2 * len(ids) for ids in token_lists], pack_length)
+    s = padded_length([sum(2 * len(token_lists[i]) for i in row) for row in rows], pack_length, pad_to)
 
     fields = ("input_ids", "position_ids", "labels_mask_stream", "labels_clean_stream", "segment_ids", "stream")
     filled = []
@@ -109,7 +112,7 @@ def build_idlm_batch(
         filled.append({k: torch.cat([p[k] for p in parts]) for k in fields})
     pad_values = {"input_ids": pad_token_id, "position_ids": 0, "labels_mask_stream": IGNORE_INDEX,
                   "labels_clean_stream": IGNORE_INDEX, "segment_ids": PAD_SEGMENT, "stream": X0}
-    batch = pad_rows(filled, pad_values, pack_length)  # each [r, s]
+    batch = pad_rows(filled, pad_values, s)  # each [r, s]
 
     metadata = {
         "segment_ids": batch.pop("segment_ids"),

@@ -5,7 +5,8 @@ Per sample with prompt length P, block size n and N blocks: k_j is block j's cho
 (``pardec.data_pipelines.jacobi_noise``), c_j its fixed point; the sample takes P + 2Nn slots and k_j, c_j
 both take positions P + j*n + o (o = 0..n-1). ``valid_lens[j]`` is n except in the block holding
 EOS (tokens up to and including EOS); slots after EOS are inputs only, never supervised. Several
-samples are packed greedily per row (segment ids) and rows are padded to ``pack_length``.
+samples are packed greedily per row (segment ids) and rows are padded to ``pack_length`` (with
+``pad_to=longest``, to the longest row).
 
 One forward with the NC (or NC-IC) mask of ``pardec.masks.jacobi`` gives every logit both losses need.
 
@@ -55,7 +56,7 @@ import torch
 
 from pardec.common.config_fields import Choice
 from pardec.common.constants import IGNORE_INDEX
-from pardec.data_pipelines.packing import PAD_SEGMENT, greedy_pack, pad_rows
+from pardec.data_pipelines.packing import PAD_SEGMENT, greedy_pack, pad_rows, padded_length
 from pardec.masks.core import AttentionSpec
 from pardec.masks.jacobi import CLEAN, NOISY, PROMPT, jacobi_nc_ic_mask, jacobi_nc_mask
 
@@ -89,6 +90,7 @@ def build_jacobi_batch(
     mask: str = "nc",
     window: int = 1,
     layout: str = "interleaved",
+    pad_to: str = "pack_length",
 ) -> dict[str, Any]:
     """Pack samples into one batch.
 
@@ -96,8 +98,9 @@ def build_jacobi_batch(
     (N lists of ``block_size`` ids) and ``valid_lens`` (N ints in 1..n; only the last may be < n).
     ``mask``: ``nc`` or ``nc_ic``; ``window``: the noise window w (NC-IC's window of blocks);
     ``layout``: ``interleaved`` (docs/methods/jacobi_forcing.md#packing) or ``streams`` (module docstring).
+    ``pad_to``: ``pack_length`` or ``longest`` (``pardec.data_pipelines.packing.PadTo``).
 
-    Returns, with r rows and s = ``pack_length``:
+    Returns, with r rows and s = ``pack_length`` (``pad_to=longest``: the longest row's slots):
 
     * ``input_ids``, ``position_ids``, ``labels`` (AR targets, ``-100`` = none): ``[r, s]`` long;
     * ``pc_student_index``, ``pc_teacher_index``: ``[K]`` long, flat indices into ``r * s``;
@@ -117,6 +120,7 @@ def build_jacobi_batch(
                 f"sample {i}: {length} slots (prompt + 2 x blocks x block_size) > pack_length={pack_length}"
             )
     rows = greedy_pack(lengths, pack_length)
+    s = padded_length([sum(lengths[i] for i in row) for row in rows], pack_length, pad_to)
 
     fields = ("input_ids", "position_ids", "labels", "segment_ids", "stream", "block_ids")
     pad = {"input_ids": pad_token_id, "position_ids": 0, "labels": IGNORE_INDEX, "segment_ids": PAD_SEGMENT,
@@ -124,7 +128,7 @@ def build_jacobi_batch(
     filled = []
     students, teachers = [], []
     for r, row in enumerate(rows):
-        offset = r * pack_length
+        offset = r * s
         parts = []
         for segment, i in enumerate(row):
             part, pairs = _sample_slots(*checked[i], block_size, segment, layout)
@@ -133,7 +137,7 @@ def build_jacobi_batch(
             offset += lengths[i]
             parts.append(part)
         filled.append({k: torch.cat([p[k] for p in parts]) for k in fields})
-    batch = pad_rows(filled, pad, pack_length)  # each [r, s]
+    batch = pad_rows(filled, pad, s)  # each [r, s]
 
     metadata = {
         "segment_ids": batch.pop("segment_ids"),

@@ -52,7 +52,8 @@ For CART the context of a target is what its query sees: the clean blocks before
 the clean tokens of its own block when an x_t slot predicts it.
 
 Rows are packed greedily in input order (``greedy_pack``) and right-padded to ``pack_length``
-(``pad_rows``); padding has segment ``-1``, position 0, no target, weight 0.
+(``pad_rows``; with ``pad_to=longest``, to the longest row); padding has segment ``-1``, position 0,
+no target, weight 0.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ import torch
 
 from pardec.common.config_fields import Choice
 from pardec.common.constants import IGNORE_INDEX
-from pardec.data_pipelines.packing import PAD_SEGMENT, checked_sample, greedy_pack, pad_rows
+from pardec.data_pipelines.packing import PAD_SEGMENT, checked_sample, greedy_pack, pad_rows, padded_length
 from pardec.masks.block_diffusion import block_diffusion_mask
 from pardec.masks.core import AttentionSpec
 from pardec.masks.idlm import X0, XT
@@ -95,10 +96,12 @@ def build_mdm_batch(
     suffix_mask_prob: float = 0.0,
     clean_context: bool = False,
     generator: torch.Generator | None = None,
+    pad_to: str = "pack_length",
 ) -> dict[str, Any]:
     """Pack tokenised samples (``input_ids``, ``prompt_len``) into one MDM batch.
 
-    Returns, with n samples, r rows and s = ``pack_length``:
+    Returns, with n samples, r rows and s = ``pack_length`` (``pad_to=longest``: the longest row's slots,
+    ``pardec.data_pipelines.packing.PadTo``):
 
     * ``input_ids``, ``position_ids``: ``[r, s]`` long (masked inputs; positions restart per sample);
     * ``labels``: ``[r, s]``, the target at the query before each masked token, ``-100`` elsewhere;
@@ -139,6 +142,7 @@ def build_mdm_batch(
     lengths = [ids.numel() + (ids.numel() - p_len if clean_context else 0)
                for ids, p_len in zip(token_lists, prompt_lens)]
     rows = greedy_pack(lengths, pack_length)
+    s = padded_length([sum(lengths[i] for i in row) for row in rows], pack_length, pad_to)
 
     t = eps + (1 - eps) * torch.rand(len(samples), generator=generator)  # [n]
     # Drawn only when the option is on, so the default keeps the random stream of uniform masking.
@@ -164,8 +168,8 @@ def build_mdm_batch(
                  "segment_ids": PAD_SEGMENT, "block_ids": 0}
     if clean_context:
         long_pads["stream"] = X0
-    batch = pad_rows(filled, long_pads, pack_length)  # each [r, s] long
-    weights = torch.zeros(len(rows), pack_length)  # [r, s]
+    batch = pad_rows(filled, long_pads, s)  # each [r, s] long
+    weights = torch.zeros(len(rows), s)  # [r, s]
     for r, row in enumerate(filled):
         weights[r, : row["weights"].numel()] = row["weights"]
     batch["weights"] = weights

@@ -38,8 +38,9 @@ masking the masked fraction of slots.
 Randomness: each sample draws from its own ``random.Random(seed)``; the method derives the seed
 from (recipe seed, optimiser step, micro-batch, dataset index) (:func:`layout_seed`), so a resumed
 run rebuilds exactly the same buffers. Rows are packed greedily (``greedy_pack``) up to
-``pack_length`` tokens and padded to it (``pad_rows``): padding has segment ``-1``, position 0,
-``pad_token_id`` and no label. The attention is :func:`pardec.masks.refusion.refusion_mask`.
+``pack_length`` tokens and padded to it (``pad_rows``; with ``pad_to=longest``, to the longest row):
+padding has segment ``-1``, position 0, ``pad_token_id`` and no label. The attention is
+:func:`pardec.masks.refusion.refusion_mask`.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ import torch
 
 from pardec.common.config_fields import Choice
 from pardec.common.constants import IGNORE_INDEX
-from pardec.data_pipelines.packing import PAD_SEGMENT, checked_sample, greedy_pack, pad_rows
+from pardec.data_pipelines.packing import PAD_SEGMENT, checked_sample, greedy_pack, pad_rows, padded_length
 from pardec.masks.refusion import refusion_spec
 
 
@@ -127,13 +128,15 @@ def build_refusion_batch(
     suffix_mask_prob: float = 0.0,
     ar_across_slots: bool = False,
     pad_token_id: int = 0,
+    pad_to: str = "pack_length",
 ) -> dict[str, Any]:
     """Pack tokenised samples into one ReFusion batch.
 
     ``samples``: each with ``input_ids`` (prompt + answer; list or 1-D tensor) and ``prompt_len``;
-    ``seeds[i]`` seeds sample i's layout.
+    ``seeds[i]`` seeds sample i's layout. ``pad_to``: ``pack_length`` or ``longest``
+    (``pardec.data_pipelines.packing.PadTo``).
 
-    Returns, with r rows and s = ``pack_length``:
+    Returns, with r rows and s = ``pack_length`` (``pad_to=longest``: the longest row's slots):
 
     * ``input_ids``, ``position_ids``, ``labels_arm``, ``labels_mdm``: ``[r, s]`` long;
     * ``mdm_sample``: ``[r, s]`` long, the sample index (0..n-1 over the batch) of each masked
@@ -150,6 +153,7 @@ def build_refusion_batch(
         raise ValueError(f"slot sizes must be a non-empty set of integers >= 1, got {list(slot_sizes)}")
     token_lists = [checked_sample(i, s, mask_token_id)[0] for i, s in enumerate(samples)]
     rows = greedy_pack([len(ids) for ids in token_lists], pack_length)
+    s = padded_length([sum(len(token_lists[i]) for i in row) for row in rows], pack_length, pad_to)
 
     layouts, weights = [], []
     for ids, sample, seed in zip(token_lists, samples, seeds, strict=True):
@@ -167,7 +171,7 @@ def build_refusion_batch(
         filled.append({k: torch.cat([p[k] for p in parts]) for k in fields})
     pad_values = {"input_ids": pad_token_id, "position_ids": 0, "labels_arm": IGNORE_INDEX,
                   "labels_mdm": IGNORE_INDEX, "mdm_sample": -1, "segment_ids": PAD_SEGMENT}
-    batch = pad_rows(filled, pad_values, pack_length)  # each [r, s]
+    batch = pad_rows(filled, pad_values, s)  # each [r, s]
 
     batch["attention"] = refusion_spec(batch.pop("segment_ids"))
     batch["mdm_weight"] = torch.tensor(weights, dtype=torch.float32)  # [n]

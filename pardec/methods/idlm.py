@@ -23,6 +23,7 @@ from typing import Optional
 from pardec.common.config_fields import ranged
 from pardec.common.errors import DataError
 from pardec.data_pipelines.idlm_batch import build_idlm_batch
+from pardec.data_pipelines.packing import PadTo
 from pardec.losses.idlm import idlm_loss
 from pardec.methods.base import Method, forward_logits
 from pardec.methods.recipe_config import RecipeConfig
@@ -50,6 +51,7 @@ class IDLMMethod(Method):
         super().__init__(cfg, tokenizer)
         self.mask_token_id: int | None = None
         self.pack_length: int | None = None
+        self.pad_to = PadTo.pack_length
 
     @property
     def block_size(self) -> int:
@@ -61,6 +63,7 @@ class IDLMMethod(Method):
 
     def build_train_dataset(self, tokenized, data_cfg, model=None):
         self.pack_length = data_cfg.pack_length or 2 * data_cfg.max_length
+        self.pad_to = data_cfg.pad_to
         longest = max(tokenized["length"])
         if 2 * longest > self.pack_length:
             raise DataError(
@@ -75,6 +78,7 @@ class IDLMMethod(Method):
             mask_token_id=self.mask_token_id,
             block_size=self.block_size,
             pack_length=self.pack_length,
+            pad_to=self.pad_to,
             pad_token_id=self.tokenizer.pad_token_id,
             supervise_last_prompt_slot=self.cfg.supervise_last_prompt_slot,
         )

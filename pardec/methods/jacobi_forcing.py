@@ -52,6 +52,7 @@ from pardec.data_pipelines.jacobi_trajectories import (
     load_trajectories,
     read_meta,
 )
+from pardec.data_pipelines.packing import PadTo
 from pardec.data_pipelines.tokenize import stop_token_ids
 from pardec.losses.jacobi import jacobi_forcing_loss
 from pardec.methods.base import Method, forward_logits
@@ -127,6 +128,7 @@ class JacobiForcingMethod(Method):
         if cfg.trajectories_dir is None and cfg.collect_dir is None:
             raise ConfigError("set 'recipe.trajectories_dir' (pre-collected) or 'recipe.collect_dir' (collect here)")
         self.pack_length: int | None = None
+        self.pad_to = PadTo.pack_length
 
     def collect_settings(self) -> CollectSettings:
         return CollectSettings(
@@ -189,6 +191,7 @@ class JacobiForcingMethod(Method):
         )
         longest = max(examples["length"])
         self.pack_length = data_cfg.pack_length or longest
+        self.pad_to = data_cfg.pad_to
         if longest > self.pack_length:
             raise DataError(
                 f"a Jacobi Forcing sample takes {longest} slots (prompt + 2 x blocks x block_size) > "
@@ -220,6 +223,7 @@ class JacobiForcingMethod(Method):
             examples,
             block_size=self.cfg.block_size,
             pack_length=self.pack_length,
+            pad_to=self.pad_to,
             pad_token_id=self.tokenizer.pad_token_id,
             mask=self.cfg.mask,
             window=self.cfg.window,

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pardec.common.config_fields import ranged
 from pardec.common.errors import ConfigError, DataError
 from pardec.data_pipelines.mdm_batch import Weighting, build_mdm_batch
+from pardec.data_pipelines.packing import PadTo
 from pardec.losses.mdm import Normalization, mdm_loss
 from pardec.masks.mdm import BLOCK, MDMAttention
 from pardec.methods.base import Method, forward_logits
@@ -71,6 +72,7 @@ class MDMMethod(Method):
                               f"got {cfg.attention!r}")
         self.mask_token_id: int | None = None
         self.pack_length: int | None = None
+        self.pad_to = PadTo.pack_length
 
     def prepare_model(self, model):
         self.mask_token_id = add_mask_token(model, self.tokenizer)
@@ -79,6 +81,7 @@ class MDMMethod(Method):
 
     def build_train_dataset(self, tokenized, data_cfg, model=None):
         self.pack_length = data_cfg.pack_length or data_cfg.max_length
+        self.pad_to = data_cfg.pad_to
         prompts, lengths = tokenized["prompt_len"], tokenized["length"]
         if self.cfg.pad_answer_to is not None:
             lengths = [p + self.cfg.pad_answer_to for p in prompts]
@@ -98,6 +101,7 @@ class MDMMethod(Method):
             examples,
             mask_token_id=self.mask_token_id,
             pack_length=self.pack_length,
+            pad_to=self.pad_to,
             pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=self.tokenizer.eos_token_id,
             attention=self.cfg.attention,

@@ -31,6 +31,7 @@ from typing import List
 
 from pardec.common.config_fields import ranged
 from pardec.common.errors import ConfigError
+from pardec.data_pipelines.packing import PadTo
 from pardec.data_pipelines.refusion_batch import Masking, build_refusion_batch, layout_seed
 from pardec.losses.refusion import MDMNorm, refusion_loss
 from pardec.methods.base import Method, forward_logits
@@ -78,6 +79,7 @@ class ReFusionMethod(Method):
             raise ConfigError("config key 'recipe.slot_sizes' is empty; give at least one slot size")
         self.mask_token_id: int | None = None
         self.pack_length: int | None = None
+        self.pad_to = PadTo.pack_length
         self.step = 0
         self.micro = 0
 
@@ -93,6 +95,7 @@ class ReFusionMethod(Method):
                     f"config key '{key}' has a slot size {k} larger than data.max_length={data_cfg.max_length}"
                 )
         self.pack_length = data_cfg.pack_length or data_cfg.max_length
+        self.pad_to = data_cfg.pad_to
         if data_cfg.max_length > self.pack_length:
             raise ConfigError(
                 f"data.pack_length={self.pack_length} < data.max_length={data_cfg.max_length}: a ReFusion sample "
@@ -110,6 +113,7 @@ class ReFusionMethod(Method):
             examples,
             mask_token_id=self.mask_token_id,
             pack_length=self.pack_length,
+            pad_to=self.pad_to,
             seeds=seeds,
             slot_sizes=[int(k) for k in self.cfg.slot_sizes],
             masking=self.cfg.masking,
