@@ -71,7 +71,7 @@ GPU_RUN = "PROBLEMS=30 bash scripts/real_model_gpu.sh (docs/results/real_gpu.md)
 GPU_RUN_H200 = "PROBLEMS=30 RISD=0 EVAL_SPLITS=test bash scripts/real_model_gpu.sh (docs/results/real_gpu.md)"
 IDLM_CPU = "python -m pardec.cli.reproduce --real --only smollm2_idlm_lora cpu_idlm"
 REFUSION_CPU = "python -m pardec.cli.reproduce --real --only smollm2_refusion_lora cpu_refusion"
-JACOBI_CPU = "python -m pardec.cli.reproduce --real --only smollm2_jacobi_forcing_lora_long cpu_jacobi_forcing"
+JACOBI_CPU = "python -m pardec.cli.reproduce --real --only smollm2_jacobi_forcing_lora_1500 cpu_jacobi_forcing"
 MDM_CPU = "python -m pardec.cli.reproduce --real --only smollm2_mdm cpu_mdm_flashdlm"
 COVER_CPU = "python -m pardec.cli.reproduce --real --only smollm2_mdm cpu_cover"
 H200 = "H200"
@@ -133,9 +133,9 @@ ROWS: tuple[RealRow, ...] = (
               "cpu_idlm", ISD, decoder, lambda data, decoder=decoder: decoder(data).removesuffix(" greedy"),
               "smollm2_idlm_lora", "own", IDLM_CPU, optional=decoder is isd_at_goal_stride)
       for decoder in (isd_chosen, isd_at_goal_stride)),
-    *(RealRow("Jacobi Forcing", "Jacobi Forcing round 1 (LoRA r=64, 900 steps) on the CPU SFT base as an Intel CPU "
+    *(RealRow("Jacobi Forcing", "Jacobi Forcing round 1 (LoRA r=64, 1500 steps) on the CPU SFT base as an Intel CPU "
               "re-built it", CPU, "cpu_jacobi_forcing", "jacobi_forcing", jacobi_chosen(kind),
-              jacobi_short(kind, short), "smollm2_jacobi_forcing_lora_long", "own", JACOBI_CPU)
+              jacobi_short(kind, short), "smollm2_jacobi_forcing_lora_1500", "own", JACOBI_CPU)
       for kind, short in (("jacobi", "Jacobi"), ("multiblock", "multi-block"))),
     RealRow("ReFusion", "ReFusion (LoRA r=64) on the CPU SFT base", CPU, "cpu_refusion",
             "refusion", refusion_chosen, "ReFusion", "smollm2_refusion_lora", refusion_lossless, REFUSION_CPU),
