@@ -59,10 +59,11 @@ def test_longest_rows_train_the_losses_of_pack_length_rows(recipe, tmp_path, mon
 
 
 def test_padded_length_and_a_bad_choice_is_named():
-    assert padded_length([3, 7, 5], 16, "pack_length") == 16
-    assert padded_length([3, 7, 5], 16, "longest") == 7
+    rows, lengths = [[0, 1], [2], [3, 4]], [3, 4, 5, 2, 1]  # rows of 7, 5 and 3 slots
+    assert padded_length(rows, lengths, 16, "pack_length") == 16
+    assert padded_length(rows, lengths, 16, "longest") == 7
     with pytest.raises(ValueError, match="PadTo"):
-        padded_length([3], 16, "shortest")
+        padded_length(rows, lengths, 16, "shortest")
     with pytest.raises(ConfigCompositionException) as err:
         compose_train(["recipe=idlm", "data.pad_to=shortest"])
     message = f"{err.value}\n{err.value.__cause__}"

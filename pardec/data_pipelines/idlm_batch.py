@@ -100,8 +100,9 @@ def build_idlm_batch(
                 f"sample {i}: length L={len(ids)} needs 2L={2 * len(ids)} slots as [x_t | x_0] "
                 f"> pack_length={pack_length}; truncate upstream or raise pack_length"
             )
-    rows = greedy_pack([2 * len(ids) for ids in token_lists], pack_length)
-    s = padded_length([sum(2 * len(token_lists[i]) for i in row) for row in rows], pack_length, pad_to)
+    lengths = [2 * len(ids) for ids in token_lists]
+    rows = greedy_pack(lengths, pack_length)
+    s = padded_length(rows, lengths, pack_length, pad_to)
 
     fields = ("input_ids", "position_ids", "labels_mask_stream", "labels_clean_stream", "segment_ids", "stream")
     filled = []

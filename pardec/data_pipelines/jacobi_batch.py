@@ -120,7 +120,7 @@ def build_jacobi_batch(
                 f"sample {i}: {length} slots (prompt + 2 x blocks x block_size) > pack_length={pack_length}"
             )
     rows = greedy_pack(lengths, pack_length)
-    s = padded_length([sum(lengths[i] for i in row) for row in rows], pack_length, pad_to)
+    s = padded_length(rows, lengths, pack_length, pad_to)
 
     fields = ("input_ids", "position_ids", "labels", "segment_ids", "stream", "block_ids")
     pad = {"input_ids": pad_token_id, "position_ids": 0, "labels": IGNORE_INDEX, "segment_ids": PAD_SEGMENT,

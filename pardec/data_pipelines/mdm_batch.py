@@ -142,7 +142,7 @@ def build_mdm_batch(
     lengths = [ids.numel() + (ids.numel() - p_len if clean_context else 0)
                for ids, p_len in zip(token_lists, prompt_lens)]
     rows = greedy_pack(lengths, pack_length)
-    s = padded_length([sum(lengths[i] for i in row) for row in rows], pack_length, pad_to)
+    s = padded_length(rows, lengths, pack_length, pad_to)
 
     t = eps + (1 - eps) * torch.rand(len(samples), generator=generator)  # [n]
     # Drawn only when the option is on, so the default keeps the random stream of uniform masking.

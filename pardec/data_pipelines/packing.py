@@ -34,9 +34,12 @@ class PadTo(Choice):
     longest = "longest"
 
 
-def padded_length(row_slots: Sequence[int], pack_length: int, pad_to: str) -> int:
-    """The row length s of a batch whose rows use ``row_slots`` slots each (all <= ``pack_length``)."""
-    return pack_length if PadTo(pad_to) is PadTo.pack_length else max(row_slots)
+def padded_length(rows: Sequence[Sequence[int]], lengths: Sequence[int], pack_length: int, pad_to: str) -> int:
+    """The row length s of a batch: ``rows`` are the sample indices per row (``greedy_pack``) and
+    ``lengths`` the slots each sample takes."""
+    if PadTo(pad_to) is PadTo.pack_length:
+        return pack_length
+    return max(sum(lengths[i] for i in row) for row in rows)
 
 
 def pack_dataset(ds: datasets.Dataset, pack_length: int, token_columns: Sequence[str],

@@ -152,8 +152,9 @@ def build_refusion_batch(
     if not slot_sizes or any(int(k) < 1 for k in slot_sizes):
         raise ValueError(f"slot sizes must be a non-empty set of integers >= 1, got {list(slot_sizes)}")
     token_lists = [checked_sample(i, s, mask_token_id)[0] for i, s in enumerate(samples)]
-    rows = greedy_pack([len(ids) for ids in token_lists], pack_length)
-    s = padded_length([sum(len(token_lists[i]) for i in row) for row in rows], pack_length, pad_to)
+    lengths = [len(ids) for ids in token_lists]
+    rows = greedy_pack(lengths, pack_length)
+    s = padded_length(rows, lengths, pack_length, pad_to)
 
     layouts, weights = [], []
     for ids, sample, seed in zip(token_lists, samples, seeds, strict=True):
