@@ -53,7 +53,7 @@ def test_cpu_conversion_and_benchmark_machines_are_named_below_the_table(folders
     path = folders / "cpu_conversions.json"
     entries = json.loads(path.read_text())
     entries["smollm2_sft"] = {"wall_seconds": 800.0, "machine": epyc}
-    entries["smollm2_refusion_lora"] = {"wall_seconds": 2700.0, "machine": epyc}
+    entries["smollm2_refusion_lora_3000"] = {"wall_seconds": 2700.0, "machine": epyc}
     entries["smollm2_idlm"] = {"wall_seconds": 1900.0, "machine": "Xeon, 2 cores"}  # on record, no row decodes it
     path.write_text(json.dumps(entries))
     (folders / "machines.json").write_text(json.dumps({  # a GPU table and an unknown table are not CPU rows
@@ -61,7 +61,7 @@ def test_cpu_conversion_and_benchmark_machines_are_named_below_the_table(folders
         "cpu_jacobi_forcing": {"cpu": "Xeon, 2 cores", "gpu": None}, "other": {"cpu": "Xeon, 2 cores"}}))
     assert real_summary.cpu_machines(folders) == (
         "CPU conversion wall times were measured on: not recorded: `smollm2_risd`; "
-        f"{epyc}: `smollm2_sft`, `smollm2_refusion_lora`. CPU benchmarks (their TPS) were run on: "
+        f"{epyc}: `smollm2_sft`, `smollm2_refusion_lora_3000`. CPU benchmarks (their TPS) were run on: "
         "not recorded: `cpu_risd`, `cpu_idlm`, `cpu_mdm_flashdlm`, `cpu_cover`; "
         f"Xeon, 2 cores: `cpu_jacobi_forcing`; {epyc}: `cpu_refusion`.")
 
@@ -175,7 +175,7 @@ def test_a_missing_chosen_row_is_listed_by_its_short_name(folders):
     results = folders
     table, missing = real_summary.build(results, {})
     text = real_summary.markdown(table, missing)
-    assert ("- ReFusion, ReFusion (LoRA r=64) on the CPU SFT base, "
+    assert ("- ReFusion, ReFusion (LoRA r=64, 3000 steps) on the CPU SFT base as an Intel CPU re-built it, "
             "ReFusion (chosen on val) (CPU, 2 cores)") in text
 
 

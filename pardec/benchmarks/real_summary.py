@@ -70,7 +70,7 @@ RISD_CPU = "python -m pardec.cli.reproduce --real --only smollm2_risd cpu_risd"
 GPU_RUN = "PROBLEMS=30 bash scripts/real_model_gpu.sh (docs/results/real_gpu.md)"
 GPU_RUN_H200 = "PROBLEMS=30 RISD=0 EVAL_SPLITS=test bash scripts/real_model_gpu.sh (docs/results/real_gpu.md)"
 IDLM_CPU = "python -m pardec.cli.reproduce --real --only smollm2_idlm_lora cpu_idlm"
-REFUSION_CPU = "python -m pardec.cli.reproduce --real --only smollm2_refusion_lora cpu_refusion"
+REFUSION_CPU = "python -m pardec.cli.reproduce --real --only smollm2_refusion_lora_3000 cpu_refusion"
 JACOBI_CPU = "python -m pardec.cli.reproduce --real --only smollm2_jacobi_forcing_lora_1500 cpu_jacobi_forcing"
 MDM_CPU = "python -m pardec.cli.reproduce --real --only smollm2_mdm cpu_mdm_flashdlm"
 COVER_CPU = "python -m pardec.cli.reproduce --real --only smollm2_mdm cpu_cover"
@@ -137,8 +137,9 @@ ROWS: tuple[RealRow, ...] = (
               "re-built it", CPU, "cpu_jacobi_forcing", "jacobi_forcing", jacobi_chosen(kind),
               jacobi_short(kind, short), "smollm2_jacobi_forcing_lora_1500", "own", JACOBI_CPU)
       for kind, short in (("jacobi", "Jacobi"), ("multiblock", "multi-block"))),
-    RealRow("ReFusion", "ReFusion (LoRA r=64) on the CPU SFT base", CPU, "cpu_refusion",
-            "refusion", refusion_chosen, "ReFusion", "smollm2_refusion_lora", refusion_lossless, REFUSION_CPU),
+    RealRow("ReFusion", "ReFusion (LoRA r=64, 3000 steps) on the CPU SFT base as an Intel CPU re-built it", CPU,
+            "cpu_refusion", "refusion", refusion_chosen, "ReFusion", "smollm2_refusion_lora_3000", refusion_lossless,
+            REFUSION_CPU),
     *(RealRow("MDM", "MDM (block 2) on the CPU SFT base", CPU, "cpu_mdm_flashdlm", "mdm_flashdlm", label, short,
               "smollm2_mdm", lossless, MDM_CPU) for label, short, lossless in MDM_FLASHDLM_ROWS),
     *(RealRow("MDM", "MDM (block 2) on the CPU SFT base", CPU, "cpu_cover", "cover", label, short, "smollm2_mdm",
