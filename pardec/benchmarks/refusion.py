@@ -30,6 +30,9 @@ accepted per plan-and-infill iteration. Slot size k: the checkpoint's ``pardec.s
 ``--slot-size``. With b = k every step completes one slot. Its first token comes from the plan (the
 mask head) with ``first_token=mask``, so that is not lossless with respect to the checkpoint's own AR
 greedy; with ``first_token=ar`` and tau >= 0.5 it is (``pardec.inference.decoders.refusion``).
+No TPF · t(1)/t(q) bound column (as the I-DLM and Jacobi tables have): a step's plan, verify and
+completion forwards each have their own width, which varies with the slots selected and accepted, so
+no single q describes a row (the multi-block rows of the Jacobi table have none for the same reason).
 
 Writes ``benchmarks/results/refusion.{md,json}``.
 """
