@@ -248,7 +248,9 @@ def step_args(step_name: str) -> list[str]:
     return step.command[step.command.index("-m") + 2:]
 
 
-MDM_BLOCK = 2  # recipe.block_size of experiment=smollm2_mdm: the decoding block both commands default to
+# recipe.block_size of experiments smollm2_mdm_lora_2000 (the FlashDLM table's) and smollm2_mdm (COVER's): the
+# decoding block both commands default to
+MDM_BLOCK = 2
 
 
 def test_the_reproduce_commands_still_make_the_committed_chunks_fingerprints():

@@ -72,7 +72,7 @@ GPU_RUN_H200 = "PROBLEMS=30 RISD=0 EVAL_SPLITS=test bash scripts/real_model_gpu.
 IDLM_CPU = "python -m pardec.cli.reproduce --real --only smollm2_idlm_lora cpu_idlm"
 REFUSION_CPU = "python -m pardec.cli.reproduce --real --only smollm2_refusion_lora_3000 cpu_refusion"
 JACOBI_CPU = "python -m pardec.cli.reproduce --real --only smollm2_jacobi_forcing_lora_1500 cpu_jacobi_forcing"
-MDM_CPU = "python -m pardec.cli.reproduce --real --only smollm2_mdm cpu_mdm_flashdlm"
+MDM_CPU = "python -m pardec.cli.reproduce --real --only smollm2_mdm_lora_2000 cpu_mdm_flashdlm"
 COVER_CPU = "python -m pardec.cli.reproduce --real --only smollm2_mdm cpu_cover"
 H200 = "H200"
 GPU_RUN_MDM = ("PROBLEMS=20 IDLM=0 MDM=1 MDM_TABLES=flashdlm DECODE_MODES=graphs EVAL_SPLITS= "
@@ -140,10 +140,13 @@ ROWS: tuple[RealRow, ...] = (
     RealRow("ReFusion", "ReFusion (LoRA r=64, 3000 steps) on the CPU SFT base as an Intel CPU re-built it", CPU,
             "cpu_refusion", "refusion", refusion_chosen, "ReFusion", "smollm2_refusion_lora_3000", refusion_lossless,
             REFUSION_CPU),
-    *(RealRow("MDM", "MDM (block 2) on the CPU SFT base", CPU, "cpu_mdm_flashdlm", "mdm_flashdlm", label, short,
-              "smollm2_mdm", lossless, MDM_CPU) for label, short, lossless in MDM_FLASHDLM_ROWS),
-    *(RealRow("MDM", "MDM (block 2) on the CPU SFT base", CPU, "cpu_cover", "cover", label, short, "smollm2_mdm",
-              None, COVER_CPU)
+    # The FlashDLM rows decode the pipeline's MDM conversion (LoRA); the COVER rows still the full fine-tuning one,
+    # whose test table is the only one decoded so far (pardec/cli/reproduce.py, REAL_MDM).
+    *(RealRow("MDM", "MDM (block 2, LoRA r=64, 2000 steps) on the CPU SFT base as an Intel CPU re-built it", CPU,
+              "cpu_mdm_flashdlm", "mdm_flashdlm", label, short, "smollm2_mdm_lora_2000", lossless, MDM_CPU)
+      for label, short, lossless in MDM_FLASHDLM_ROWS),
+    *(RealRow("MDM", "MDM (block 2, full fine-tuning, 550 steps) on the CPU SFT base", CPU, "cpu_cover", "cover",
+              label, f"{short}, full FT", "smollm2_mdm", None, COVER_CPU)
       for label, short in COVER_ROWS),
     # The two GPU runs fine-tuned their own SFT base (same recipe, another machine): each row names its run's.
     RealRow("AR", "SmolLM2 SFT (GPU, H100 run)", H100, "gpu_risd_h100", ISD, "AR greedy (base)", "AR greedy",
@@ -276,8 +279,9 @@ def mdm_attention_choice(results_dir: Path) -> str | None:
     chosen = max(MDM_ATTENTIONS, key=lambda k: (scores[k][0], scores[k][1], k == "block"))
     parts = [f"{MDM_ATTENTIONS[k][0]} (`{MDM_ATTENTIONS[k][1]}`): LLaDA baseline {scores[k][0]:.1%}, "
              f"Fast-dLLM {scores[k][1]:.1%}" for k in MDM_ATTENTIONS]
-    tested = "the MDM rows above are of this conversion" if chosen == "block" else (
-        "the MDM rows above are still of the block-causal conversion (the chosen one's test tables are not run yet)")
+    tested = ("the COVER rows above are of this conversion, the FlashDLM rows of its block-causal LoRA successor "
+              "(`smollm2_mdm_lora_2000`)") if chosen == "block" else (
+        "the MDM rows above are still of block-causal conversions (the chosen one's test tables are not run yet)")
     return (f"MDM attention, chosen on {scores['block'][2]} val problems (`{MDM_VAL_COMMAND}`): "
             f"{'; '.join(parts)}. Chosen: **{MDM_ATTENTIONS[chosen][0]}**; {tested}.")
 

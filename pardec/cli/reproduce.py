@@ -121,6 +121,11 @@ REAL_REFUSION = "runs/smollm2_refusion_lora_3000"
 # own), lossless, 4.5 points below the base. Three times the data (smollm2_jacobi_forcing_lora_long, the pipeline's
 # from 2026-12-04 to 2026-12-06) reached TPF 1.55 at 1.32x (docs/results/real_cpu.md).
 REAL_JACOBI = "runs/smollm2_jacobi_forcing_lora_1500/stages/00-round1"
+# MDM with the same LoRA on 2000 steps, its rows padded to the longest (49.5 min on an Intel Xeon): on test its LLaDA
+# baseline answers 58.5% (the base 65.5%; smollm2_mdm, 550 steps of full fine-tuning: 23.0%) and FreeCache runs at
+# 3.42x the baseline's TPS (docs/results/real_cpu.md). The FlashDLM table decodes it; the COVER table still decodes
+# smollm2_mdm until its test table of this conversion is decoded (about 4 h in chunks on this CPU).
+REAL_MDM = "runs/smollm2_mdm_lora_2000"
 REAL_STEPS: tuple[Step, ...] = (
     bench("import", ["smollm2-135m-instruct"], (), module="pardec.cli.import_model"),
     train("smollm2_sft"),
@@ -158,22 +163,24 @@ REAL_STEPS: tuple[Step, ...] = (
                                  "--num-val", "30", "--val-block-sizes", "4", "8", "16",
                                  "--no-training-table", "--threads", "2", "--out", f"{REAL}/cpu_jacobi_forcing"],
           (SMOLLM2, REAL_JACOBI), module="pardec.benchmarks.jacobi_forcing"),
-    train("smollm2_mdm"),
+    train("smollm2_mdm_lora_2000"),
     # Sized for the 2-core CPU, where the LLaDA baseline, WINO, Saber and COVER run one full-sequence forward
     # (about 0.5 s) per step. The FlashDLM table on all 200 test problems, in chunks of 10 (every row on each
     # chunk in turn; a stopped run goes on from its last finished chunk): AR, the baseline, Fast-dLLM, FreeCache
-    # (refresh), FreeCache + guided (assisted, strict) and guided shifted, 30-45 s per problem (1.7-2.5 h, by the
-    # CPU: docs/results/real_cpu.md); the
+    # (refresh), FreeCache + guided (assisted, strict) and guided shifted, 28-45 s per problem (1.5-2.5 h, by the
+    # CPU and the conversion: docs/results/real_cpu.md); the
     # other rows (two tokens per step, freeze-at-last-step, relaxed) are in the GPU and embedded tables. The
     # COVER table likewise, with the base's AR greedy row (TPS / base AR), tau_draft on 5 val problems (3 min,
     # again at each restart), about 75 s per problem (4 h). The chunks are committed (benchmarks/results/real/
-    # chunks/): a later session re-builds smollm2_sft and smollm2_mdm and goes on from them when its
-    # checkpoints are the same bytes (the chunks name them by sha256; pardec.benchmarks.chunks).
-    bench("cpu_mdm_flashdlm", ["--base", f"{SMOLLM2}/hf", "--mdm", "runs/smollm2_mdm/hf", "--num-samples", "200",
+    # chunks/): a later session re-builds smollm2_sft and the MDM and goes on from them when its checkpoints
+    # are the same bytes (the chunks name them by sha256; pardec.benchmarks.chunks). The FlashDLM table decodes
+    # REAL_MDM, the COVER table smollm2_mdm (REAL_MDM's comment says why).
+    bench("cpu_mdm_flashdlm", ["--base", f"{SMOLLM2}/hf", "--mdm", f"{REAL_MDM}/hf", "--num-samples", "200",
                                "--rows", "ar,lowconf1,threshold,fc_refresh,fc_guided_strict,guided_shifted",
                                "--chunk-dir", f"{REAL_CHUNKS}/cpu_mdm_flashdlm", "--chunk-size", "10",
                                "--threads", "2", "--out", f"{REAL}/cpu_mdm_flashdlm"],
-          (SMOLLM2, "runs/smollm2_mdm"), module="pardec.benchmarks.mdm_flashdlm"),
+          (SMOLLM2, REAL_MDM), module="pardec.benchmarks.mdm_flashdlm"),
+    train("smollm2_mdm"),
     bench("cpu_cover", ["--mdm", "runs/smollm2_mdm/hf", "--base", f"{SMOLLM2}/hf", "--num-samples", "200",
                         "--num-validation", "5", "--chunk-dir", f"{REAL_CHUNKS}/cpu_cover",
                         "--chunk-size", "10", "--threads", "2", "--out", f"{REAL}/cpu_cover"],
@@ -187,7 +194,7 @@ REAL_STEPS: tuple[Step, ...] = (
                                      "--out", f"{REAL}/cpu_mdm_val_{short}"], (SMOLLM2, run),
             module="pardec.benchmarks.mdm_flashdlm")
       for short, run in (("block", "runs/smollm2_mdm"), ("bidir", "runs/smollm2_mdm_bidir"))),
-    bench("real_summary", [], (SMOLLM2, "runs/smollm2_risd", REAL_IDLM, REAL_REFUSION, REAL_JACOBI,
+    bench("real_summary", [], (SMOLLM2, "runs/smollm2_risd", REAL_IDLM, REAL_REFUSION, REAL_JACOBI, REAL_MDM,
                                "runs/smollm2_mdm", "runs/smollm2_mdm_bidir")),
 )
 
