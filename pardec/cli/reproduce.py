@@ -124,7 +124,7 @@ REAL_JACOBI = "runs/smollm2_jacobi_forcing_lora_1500/stages/00-round1"
 # MDM with the same LoRA on 2000 steps, its rows padded to the longest (49.5 min on an Intel Xeon): on test its LLaDA
 # baseline answers 58.5% (the base 65.5%; smollm2_mdm, 550 steps of full fine-tuning: 23.0%) and FreeCache runs at
 # 3.42x the baseline's TPS (docs/results/real_cpu.md). The FlashDLM table decodes it; the COVER table still decodes
-# smollm2_mdm until its test table of this conversion is decoded (about 4 h in chunks on this CPU).
+# smollm2_mdm until its test table of this conversion is decoded (about 2.4 h in chunks on an Intel Xeon).
 REAL_MDM = "runs/smollm2_mdm_lora_2000"
 REAL_STEPS: tuple[Step, ...] = (
     bench("import", ["smollm2-135m-instruct"], (), module="pardec.cli.import_model"),
