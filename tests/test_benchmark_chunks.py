@@ -248,8 +248,8 @@ def step_args(step_name: str) -> list[str]:
     return step.command[step.command.index("-m") + 2:]
 
 
-# recipe.block_size of experiments smollm2_mdm_lora_2000 (the FlashDLM table's) and smollm2_mdm (COVER's): the
-# decoding block both commands default to
+# recipe.block_size of experiment smollm2_mdm_lora_2000 (the FlashDLM and COVER tables'): the decoding block both
+# commands default to
 MDM_BLOCK = 2
 
 

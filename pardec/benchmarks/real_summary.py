@@ -73,7 +73,7 @@ IDLM_CPU = "python -m pardec.cli.reproduce --real --only smollm2_idlm_lora cpu_i
 REFUSION_CPU = "python -m pardec.cli.reproduce --real --only smollm2_refusion_lora_3000 cpu_refusion"
 JACOBI_CPU = "python -m pardec.cli.reproduce --real --only smollm2_jacobi_forcing_lora_1500 cpu_jacobi_forcing"
 MDM_CPU = "python -m pardec.cli.reproduce --real --only smollm2_mdm_lora_2000 cpu_mdm_flashdlm"
-COVER_CPU = "python -m pardec.cli.reproduce --real --only smollm2_mdm cpu_cover"
+COVER_CPU = "python -m pardec.cli.reproduce --real --only smollm2_mdm_lora_2000 cpu_cover"
 H200 = "H200"
 GPU_RUN_MDM = ("PROBLEMS=20 IDLM=0 MDM=1 MDM_TABLES=flashdlm DECODE_MODES=graphs EVAL_SPLITS= "
                "bash scripts/real_model_gpu.sh (docs/results/real_gpu.md)")
@@ -91,6 +91,7 @@ GPU_RUN_MDM_32 = ("PROBLEMS=20 IDLM=0 MDM=1 MDM_ATTENTION={attention} EVAL_SPLIT
                   "COVER_VAL=6 MDM_ROWS=ar,lowconf1,guided_shifted,fc_guided_strict,fc_refresh "
                   "bash scripts/real_model_gpu.sh (docs/results/real_gpu.md)")
 COVER_ROWS = (("WINO 0.6 / 0.9", "WINO"), ("Saber n=2 / mu=8", "Saber"), (cover_chosen, "COVER"))
+MDM_CPU_CHECKPOINT = "MDM (block 2, LoRA r=64, 2000 steps) on the CPU SFT base as an Intel CPU re-built it"
 GPU_RUN_JACOBI = ("PROBLEMS=20 IDLM=0 JACOBI=1 JACOBI_VAL=6 DECODE_MODES=graphs EVAL_SPLITS= "
                   "bash scripts/real_model_gpu.sh (docs/results/real_gpu.md)")
 
@@ -140,13 +141,12 @@ ROWS: tuple[RealRow, ...] = (
     RealRow("ReFusion", "ReFusion (LoRA r=64, 3000 steps) on the CPU SFT base as an Intel CPU re-built it", CPU,
             "cpu_refusion", "refusion", refusion_chosen, "ReFusion", "smollm2_refusion_lora_3000", refusion_lossless,
             REFUSION_CPU),
-    # The FlashDLM rows decode the pipeline's MDM conversion (LoRA); the COVER rows still the full fine-tuning one,
-    # whose test table is the only one decoded so far (pardec/cli/reproduce.py, REAL_MDM).
-    *(RealRow("MDM", "MDM (block 2, LoRA r=64, 2000 steps) on the CPU SFT base as an Intel CPU re-built it", CPU,
-              "cpu_mdm_flashdlm", "mdm_flashdlm", label, short, "smollm2_mdm_lora_2000", lossless, MDM_CPU)
+    # The FlashDLM and COVER rows decode the pipeline's MDM conversion (pardec/cli/reproduce.py, REAL_MDM).
+    *(RealRow("MDM", MDM_CPU_CHECKPOINT, CPU, "cpu_mdm_flashdlm", "mdm_flashdlm", label, short,
+              "smollm2_mdm_lora_2000", lossless, MDM_CPU)
       for label, short, lossless in MDM_FLASHDLM_ROWS),
-    *(RealRow("MDM", "MDM (block 2, full fine-tuning, 550 steps) on the CPU SFT base", CPU, "cpu_cover", "cover",
-              label, f"{short}, full FT", "smollm2_mdm", None, COVER_CPU)
+    *(RealRow("MDM", MDM_CPU_CHECKPOINT, CPU, "cpu_cover", "cover", label, short, "smollm2_mdm_lora_2000", None,
+              COVER_CPU)
       for label, short in COVER_ROWS),
     # The two GPU runs fine-tuned their own SFT base (same recipe, another machine): each row names its run's.
     RealRow("AR", "SmolLM2 SFT (GPU, H100 run)", H100, "gpu_risd_h100", ISD, "AR greedy (base)", "AR greedy",
@@ -279,8 +279,8 @@ def mdm_attention_choice(results_dir: Path) -> str | None:
     chosen = max(MDM_ATTENTIONS, key=lambda k: (scores[k][0], scores[k][1], k == "block"))
     parts = [f"{MDM_ATTENTIONS[k][0]} (`{MDM_ATTENTIONS[k][1]}`): LLaDA baseline {scores[k][0]:.1%}, "
              f"Fast-dLLM {scores[k][1]:.1%}" for k in MDM_ATTENTIONS]
-    tested = ("the COVER rows above are of this conversion, the FlashDLM rows of its block-causal LoRA successor "
-              "(`smollm2_mdm_lora_2000`)") if chosen == "block" else (
+    tested = ("the CPU MDM rows above are of its block-causal LoRA successor (`smollm2_mdm_lora_2000`)"
+              ) if chosen == "block" else (
         "the MDM rows above are still of block-causal conversions (the chosen one's test tables are not run yet)")
     return (f"MDM attention, chosen on {scores['block'][2]} val problems (`{MDM_VAL_COMMAND}`): "
             f"{'; '.join(parts)}. Chosen: **{MDM_ATTENTIONS[chosen][0]}**; {tested}.")

@@ -123,8 +123,7 @@ REAL_REFUSION = "runs/smollm2_refusion_lora_3000"
 REAL_JACOBI = "runs/smollm2_jacobi_forcing_lora_1500/stages/00-round1"
 # MDM with the same LoRA on 2000 steps, its rows padded to the longest (49.5 min on an Intel Xeon): on test its LLaDA
 # baseline answers 58.5% (the base 65.5%; smollm2_mdm, 550 steps of full fine-tuning: 23.0%) and FreeCache runs at
-# 3.42x the baseline's TPS (docs/results/real_cpu.md). The FlashDLM table decodes it; the COVER table still decodes
-# smollm2_mdm until its test table of this conversion is decoded (about 2.4 h in chunks on an Intel Xeon).
+# 3.42x the baseline's TPS (docs/results/real_cpu.md). The FlashDLM and COVER tables decode it.
 REAL_MDM = "runs/smollm2_mdm_lora_2000"
 REAL_STEPS: tuple[Step, ...] = (
     bench("import", ["smollm2-135m-instruct"], (), module="pardec.cli.import_model"),
@@ -170,24 +169,23 @@ REAL_STEPS: tuple[Step, ...] = (
     # (refresh), FreeCache + guided (assisted, strict) and guided shifted, 28-45 s per problem (1.5-2.5 h, by the
     # CPU and the conversion: docs/results/real_cpu.md); the
     # other rows (two tokens per step, freeze-at-last-step, relaxed) are in the GPU and embedded tables. The
-    # COVER table likewise, with the base's AR greedy row (TPS / base AR), tau_draft on 5 val problems (3 min,
-    # again at each restart), about 75 s per problem (4 h). The chunks are committed (benchmarks/results/real/
-    # chunks/): a later session re-builds smollm2_sft and the MDM and goes on from them when its checkpoints
-    # are the same bytes (the chunks name them by sha256; pardec.benchmarks.chunks). The FlashDLM table decodes
-    # REAL_MDM, the COVER table smollm2_mdm (REAL_MDM's comment says why).
+    # COVER table likewise, with the base's AR greedy row (TPS / base AR), tau_draft on 5 val problems (5 min,
+    # again at each restart), about 42 s per problem (2.4 h on an Intel Xeon). The chunks are committed
+    # (benchmarks/results/real/chunks/): a later session re-builds smollm2_sft and the MDM and goes on from them
+    # when its checkpoints are the same bytes (the chunks name them by sha256; pardec.benchmarks.chunks).
     bench("cpu_mdm_flashdlm", ["--base", f"{SMOLLM2}/hf", "--mdm", f"{REAL_MDM}/hf", "--num-samples", "200",
                                "--rows", "ar,lowconf1,threshold,fc_refresh,fc_guided_strict,guided_shifted",
                                "--chunk-dir", f"{REAL_CHUNKS}/cpu_mdm_flashdlm", "--chunk-size", "10",
                                "--threads", "2", "--out", f"{REAL}/cpu_mdm_flashdlm"],
           (SMOLLM2, REAL_MDM), module="pardec.benchmarks.mdm_flashdlm"),
-    train("smollm2_mdm"),
-    bench("cpu_cover", ["--mdm", "runs/smollm2_mdm/hf", "--base", f"{SMOLLM2}/hf", "--num-samples", "200",
+    bench("cpu_cover", ["--mdm", f"{REAL_MDM}/hf", "--base", f"{SMOLLM2}/hf", "--num-samples", "200",
                         "--num-validation", "5", "--chunk-dir", f"{REAL_CHUNKS}/cpu_cover",
                         "--chunk-size", "10", "--threads", "2", "--out", f"{REAL}/cpu_cover"],
-          (SMOLLM2, "runs/smollm2_mdm"), module="pardec.benchmarks.cover"),
+          (SMOLLM2, REAL_MDM), module="pardec.benchmarks.cover"),
     # Block-causal (smollm2_mdm) against bidirectional (smollm2_mdm_bidir) attention, chosen on val: the
     # same conversion budget, each decoded in its own block (2 and 32), the LLaDA baseline and Fast-dLLM
     # on the first 15 val problems (about 10 min each).
+    train("smollm2_mdm"),
     train("smollm2_mdm_bidir"),
     *(bench(f"cpu_mdm_val_{short}", ["--base", f"{SMOLLM2}/hf", "--mdm", f"{run}/hf", "--split", "val",
                                      "--num-samples", "15", "--rows", "ar,lowconf1,threshold", "--threads", "2",
