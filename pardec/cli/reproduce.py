@@ -169,7 +169,7 @@ REAL_STEPS: tuple[Step, ...] = (
     # (refresh), FreeCache + guided (assisted, strict) and guided shifted, 28-45 s per problem (1.5-2.5 h, by the
     # CPU and the conversion: docs/results/real_cpu.md); the
     # other rows (two tokens per step, freeze-at-last-step, relaxed) are in the GPU and embedded tables. The
-    # COVER table likewise, with the base's AR greedy row (TPS / base AR), tau_draft on 5 val problems (5 min,
+    # COVER table likewise, with the base's AR greedy row (TPS / base AR), tau_draft on 5 val problems (2-5 min,
     # again at each restart), about 42 s per problem (2.4 h on an Intel Xeon). The chunks are committed
     # (benchmarks/results/real/chunks/): a later session re-builds smollm2_sft and the MDM and goes on from them
     # when its checkpoints are the same bytes (the chunks name them by sha256; pardec.benchmarks.chunks).
