@@ -57,6 +57,17 @@ def test_ablations_keep_only_the_requested_ones():
     assert ablations(_setting(8, 0.5), slot_size=8, which=("first_token",)) == [{"first_token": "ar"}]
 
 
+def test_speculative_completion_is_in_the_label_and_ablated_only_where_on():
+    chosen = {**_setting(8, 0.5, "ar"), "completion_drafts": None}
+    assert label(chosen) == "ReFusion b=8 tau=0.5 first_token=ar completion_drafts=all"
+    assert label({**chosen, "completion_drafts": 3}) == "ReFusion b=8 tau=0.5 first_token=ar completion_drafts=3"
+    assert label(chosen, completion_drafts=0) == label(_setting(8, 0.5, "ar"))
+    assert label(chosen, kv_reuse=False) == "ReFusion b=8 tau=0.5 first_token=ar completion_drafts=all, kv_reuse=false"
+    assert ablations(chosen, slot_size=8, which=("kv_reuse", "completion_drafts")) == [
+        {"kv_reuse": False}, {"completion_drafts": 0}]
+    assert ablations({**chosen, "completion_drafts": 0}, slot_size=8, which=("completion_drafts",)) == []
+
+
 def _test_table(chosen: dict, reuse_tps: float, recompute_tps: float, tpf: float, accuracy: float) -> list[dict]:
     rows = [_row("AR greedy (base)", 0.70, 1.0), _row(label(chosen), accuracy, tpf, chosen),
             _row(label(chosen, kv_reuse=False), accuracy, tpf, chosen)]
@@ -109,6 +120,21 @@ def run_real_model_flags(tmp_path, *flags: str) -> dict:
           "--ablations", "kv_reuse", "--no-own-ar", "--goal-drop", "0.03", "--goal-reuse", "2",
           "--max-new-tokens", "8", "--threads", "1", "--out", str(out), *flags])
     return json.loads(out.with_suffix(".json").read_text())
+
+
+def test_speculative_completion_end_to_end(tmp_path):
+    """--completion-drafts all: every ReFusion row completes speculatively and the test phase adds the
+    chosen setting without it; greedy, the two decode the same tokens."""
+    payload = run_real_model_flags(tmp_path, "--completion-drafts", "all", "--ablations", "kv_reuse",
+                                   "completion_drafts")
+    chosen = payload["chosen_label"]
+    assert chosen.endswith(" completion_drafts=all")
+    assert all(r["config"]["completion_drafts"] is None for r in payload["validation"][1:])
+    rows = {r["decoder"]: r for r in payload["test"]}
+    paper = chosen.removesuffix(" completion_drafts=all")
+    assert list(rows) == ["AR greedy (base)", chosen, chosen + ", kv_reuse=false", paper]
+    assert rows[paper]["config"]["completion_drafts"] == 0
+    assert rows[paper]["accuracy"] == rows[chosen]["accuracy"] and rows[paper]["tpf"] <= rows[chosen]["tpf"]
 
 
 def test_real_model_run_flags_end_to_end(tmp_path):

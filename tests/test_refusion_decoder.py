@@ -256,6 +256,62 @@ def test_fused_plan_saves_the_plan_forward_with_the_same_tokens(tokenizer, monke
     assert used > 0
 
 
+SPECULATIVE_SETTINGS = [  # (decoder settings, one slot per step)
+    ({"threshold": 1.0, "block_size": 4}, True),  # every slot completed from its first token
+    ({"threshold": 0.3, "block_size": 4}, True),  # partial verification: the verify forward's rows first
+    ({"threshold": 0.5, "block_size": 4, "first_token": "ar"}, True),
+    ({"threshold": 0.5, "block_size": 8}, False),
+    ({"plan_threshold": 1e-6, "verify_threshold": 1.0, "block_size": 12}, False),  # parallel completion
+    ({"plan_threshold": 1e-6, "verify_threshold": 1.0, "block_size": 12, "reuse_verify": False}, False),
+]
+
+
+@pytest.mark.parametrize("kv_reuse", [True, False])
+@pytest.mark.parametrize("drafts", [1, 2, None])
+def test_speculative_completion_decodes_the_same_tokens_with_fewer_forwards(tokenizer, kv_reuse, drafts):
+    """completion_drafts feeds a slot's remaining plan drafts after its newest token and keeps those the
+    completion picks again: greedy, the tokens must be those of completion one token per forward
+    (completion_drafts=0), with the same steps; where every step completes one slot, each kept draft
+    saves exactly one forward. Seeds 0 and 6 are tiny models whose drafts the completion often picks."""
+    used = 0
+    for seed, prompt, (settings, one_slot) in itertools.product([0, 6], PROMPTS, SPECULATIVE_SETTINGS):
+        model = converted_model(tokenizer, seed=seed)
+        cfg = {**settings, "kv_reuse": kv_reuse}
+        fast = decode(model, tokenizer, prompt, completion_drafts=drafts, **cfg)
+        slow = decode(model, tokenizer, prompt, **cfg)
+        assert fast.tokens == slow.tokens, (seed, prompt, settings)
+        assert_valid(fast, tokenizer)
+        assert slow.stats["drafts_completed"] == 0 and fast.stats["steps"] == slow.stats["steps"]
+        assert fast.forwards <= slow.forwards
+        if one_slot:
+            assert slow.forwards - fast.forwards == fast.stats["drafts_completed"], (seed, prompt, settings)
+        used += fast.stats["drafts_completed"]
+    assert used > 0
+
+
+@pytest.mark.parametrize("case", range(len(SPECULATIVE_SETTINGS)))
+def test_speculative_completion_cache_equals_reference(tokenizer, recording, case):
+    """The kept draft entries' K/V (and those of every entry after the dropped ones) must equal a
+    forward over the same tokens where each entry sees what it saw when computed."""
+    model = converted_model(tokenizer, seed=6)
+    used = 0
+    for prompt in PROMPTS:
+        result = decode(model, tokenizer, prompt, completion_drafts=None, **SPECULATIVE_SETTINGS[case][0])
+        assert_valid(result, tokenizer)
+        assert_cache_matches_reference(model, recording[-1])
+        used += result.stats["drafts_completed"]
+    assert used > 0
+
+
+def test_speculative_completion_sampled_is_valid_and_seeded(tokenizer):
+    model = converted_model(tokenizer, seed=6)
+    for prompt, (settings, _) in itertools.product(PROMPTS, SPECULATIVE_SETTINGS):
+        cfg = {**settings, "completion_drafts": None, "mode": "sample", "temperature": 0.7}
+        a, b = (decode(model, tokenizer, prompt, seed=3, **cfg) for _ in range(2))
+        assert a.tokens == b.tokens
+        assert_valid(a, tokenizer)
+
+
 def test_recompute_context_holds_the_output_in_position_order(tokenizer, recording):
     """kv_reuse=false keeps no cache; its context (recomputed every forward) holds every committed
     token at its own position, so the output read in position order is the decoded text."""
@@ -374,6 +430,7 @@ def test_registry_builds_it_and_summarize_aggregates(tokenizer):
     steps = sum(r.stats["steps"] for r in results)
     assert summary["refusion_slots_per_step"] == pytest.approx(sum(r.stats["slots_accepted"] for r in results) / steps)
     assert summary["refusion_plan_forwards"] + summary["refusion_plans_fused"] == steps
+    assert summary["refusion_drafts_completed"] == sum(r.stats["drafts_completed"] for r in results)
 
 
 # --- bad input gets a named error ----------------------------------------------------------------
@@ -484,6 +541,7 @@ STATIC_CASES = [
     {"threshold": 0.5, "plan_scope": "all"},
     {"threshold": 0.7, "block_size": 4, "first_token": "ar"},
     {"threshold": 0.5, "block_size": 8, "mode": "sample", "temperature": 0.8, "top_p": 0.9},
+    {"threshold": 0.3, "block_size": 4, "completion_drafts": None},  # speculative completion, drafts dropped
 ]
 
 

@@ -8,16 +8,19 @@ One run, two phases, every row at batch 1 in this process after an untimed warm-
    disjoint from train and test): AR greedy of the base and of the ReFusion checkpoint itself, then
    ReFusion (KV reuse) at every semi-AR block size b of ``--block-sizes``, every threshold tau of
    ``--thresholds`` (tau sets both the plan and the verify threshold) and every source of a slot's
-   first token of ``--first-tokens`` (``mask``: the paper's plan; ``ar``: the AR head, only at b = k).
+   first token of ``--first-tokens`` (``mask``: the paper's plan; ``ar``: the AR head, only at b = k),
+   every row with ``--completion-drafts`` (speculative completion, beyond the paper; 0 = off).
    The chosen setting is the one with the highest TPF whose validation accuracy is within
    ``--max-drop`` points of the base's (the most accurate one when none is).
 2. **Test** (the first ``--num-samples`` held-out test problems): the two AR greedy rows, ReFusion at
    the chosen b and first-token source and every tau of the sweep with KV reuse, and the chosen
    setting again with ``kv_reuse=false`` (the whole context recomputed every forward, the paper's
-   ablation), with ``fuse_plan=false`` (a plan forward every step: the same tokens, more forwards)
-   and, at b = k, with the other first-token source. ``--test-chosen-only`` keeps the chosen tau
-   alone, ``--ablations`` picks among the three, ``--no-own-ar`` drops the checkpoint's own AR greedy
-   rows (then "= own AR greedy" is "—"): how a run on a real model fits in a CPU budget.
+   ablation), with ``fuse_plan=false`` (a plan forward every step: the same tokens, more forwards),
+   at b = k with the other first-token source, and with speculative completion on, without it
+   (``completion_drafts=0``: the same tokens greedy, one token per slot per completion forward).
+   ``--test-chosen-only`` keeps the chosen tau alone, ``--ablations`` picks among the four,
+   ``--no-own-ar`` drops the checkpoint's own AR greedy rows (then "= own AR greedy" is "—"): how a
+   run on a real model fits in a CPU budget.
 
 The goals are flags (``--goal-tpf``, ``--goal-drop``, ``--goal-reuse``): the embedded default's are the
 defaults; the real-model run asks within 3 points and KV reuse >= 2x (``reproduce --real``).
@@ -59,8 +62,8 @@ from pardec.inference.decoders.refusion import resolve_slot_size
 from pardec.inference.evaluate import evaluate
 
 OWN_AR = "AR greedy (ReFusion checkpoint)"
-SETTING_KEYS = ("block_size", "threshold", "first_token")
-ABLATIONS = ("kv_reuse", "fuse_plan", "first_token")
+SETTING_KEYS = ("block_size", "threshold", "first_token", "completion_drafts")
+ABLATIONS = ("kv_reuse", "fuse_plan", "first_token", "completion_drafts")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -76,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="semi-AR block sizes b swept on validation (multiples of the slot size)")
     p.add_argument("--first-tokens", nargs="+", default=["mask", "ar"], choices=["mask", "ar"],
                    help="sources of a slot's first token swept on validation (ar only where b = k)")
+    p.add_argument("--completion-drafts", type=_drafts, default=0,
+                   help="speculative completion for every ReFusion row: plan drafts a completion forward feeds per "
+                        "slot (decoder.completion_drafts; 0 = off, the paper; all = every remaining one)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--test-chosen-only", action="store_true", help="test phase: the chosen tau only, no tau sweep")
     p.add_argument("--ablations", nargs="*", default=list(ABLATIONS), choices=list(ABLATIONS),
@@ -87,6 +93,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_runtime_args(p)
     p.add_argument("--out", default=str(RESULTS / "refusion"))
     return p.parse_args(argv)
+
+
+def _drafts(text: str) -> int | None:
+    """``--completion-drafts``: a count >= 0, or ``all`` (None: every remaining draft)."""
+    if text == "all":
+        return None
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--completion-drafts {text}: must be >= 0 or 'all'")
+    return value
 
 
 def run_row(label: str, model, tok, rows, decoder: dict, template: str = "auto") -> dict:
@@ -103,18 +119,24 @@ def run_row(label: str, model, tok, rows, decoder: dict, template: str = "auto")
 
 def ablations(setting: dict, slot_size: int, which=ABLATIONS) -> list[dict]:
     """The test phase's variants of the chosen setting among ``which``: recomputation (``kv_reuse``),
-    a plan forward every step (``fuse_plan``) and, at b = k, the other first-token source."""
+    a plan forward every step (``fuse_plan``), at b = k the other first-token source, and where the
+    setting completes speculatively, completion one token per forward (``completion_drafts``)."""
     out = [{key: False} for key in ("kv_reuse", "fuse_plan") if key in which]
     if "first_token" in which and setting["block_size"] == slot_size:
         out.append({"first_token": "mask" if setting["first_token"] == "ar" else "ar"})
+    if "completion_drafts" in which and setting.get("completion_drafts", 0) != 0:
+        out.append({"completion_drafts": 0})
     return out
 
 
 def label(setting: dict, **ablation) -> str:
-    """``setting``: block_size, threshold, first_token; ``ablation``: overrides, named after them."""
-    first = ablation.pop("first_token", None)
-    text = f"ReFusion b={setting['block_size']} tau={setting['threshold']:g}"
-    text += f" first_token={first or setting['first_token']}"
+    """``setting``: block_size, threshold, first_token (and completion_drafts when not 0); ``ablation``:
+    overrides, named after them (the first-token source and the completion drafts replace the setting's)."""
+    first = ablation.pop("first_token", setting["first_token"])
+    drafts = ablation.pop("completion_drafts", setting.get("completion_drafts", 0))
+    text = f"ReFusion b={setting['block_size']} tau={setting['threshold']:g} first_token={first}"
+    if drafts != 0:
+        text += f" completion_drafts={'all' if drafts is None else drafts}"
     return text + "".join(f", {k}={str(v).lower()}" for k, v in ablation.items())
 
 
@@ -153,7 +175,7 @@ def choose_setting(val_table: list[dict], max_drop: float) -> tuple[dict, str]:
     else:
         best = max(sweep, key=lambda r: (r["accuracy"], r["tpf"]))
         rule = f"no setting is within {max_drop:.0%} of the base's accuracy: the most accurate one"
-    return {key: best["config"][key] for key in SETTING_KEYS}, rule
+    return {key: best["config"][key] for key in SETTING_KEYS if key in best["config"]}, rule
 
 
 def markdown(table: list[dict]) -> str:
@@ -202,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
               for name, path in (("base", args.base), ("refusion", args.refusion))}
 
     slot_size = resolve_slot_size(models["refusion"][0], args.slot_size)
-    grid = [{"block_size": b, "threshold": tau, "first_token": first}
+    grid = [{"block_size": b, "threshold": tau, "first_token": first, "completion_drafts": args.completion_drafts}
             for b in args.block_sizes for first in args.first_tokens for tau in args.thresholds
             if first == "mask" or b == slot_size]
     if not grid:

@@ -145,14 +145,16 @@ REAL_STEPS: tuple[Step, ...] = (
                        "--threads", "2", "--out", f"{REAL}/cpu_idlm"], (SMOLLM2, REAL_IDLM),
           module="pardec.benchmarks.idlm_isd"),
     train("smollm2_refusion_lora_3000"),
-    # Sized for the 2-core CPU (73 min on an AMD EPYC, 47.5 min on an Intel Xeon): (b, first token, tau) chosen on
-    # 30 val problems at 96 new tokens among b = 8 (one slot: the paper's first token or the AR head's) and b = 16
-    # (two slots, the paper's), as the embedded default; on the test problems both AR greedy rows, the chosen
-    # setting, its recomputation ablation and (at b = k) the other first-token source only.
+    # Sized for the 2-core CPU (about 55 min on an Intel Xeon): (b, first token, tau) chosen on 30 val problems at
+    # 96 new tokens among b = 8 (one slot: the paper's first token or the AR head's) and b = 16 (two slots, the
+    # paper's), as the embedded default, every row completing speculatively (all of a slot's drafts); on the test
+    # problems both AR greedy rows, the chosen setting, its recomputation ablation, (at b = k) the other first-token
+    # source and the paper's completion (one token per forward) only.
     bench("cpu_refusion", ["--base", f"{SMOLLM2}/hf", "--refusion", f"{REAL_REFUSION}/hf", "--num-val", "30",
                            "--block-sizes", "8", "16", "--first-tokens", "mask", "ar", "--thresholds", "0.9", "0.7",
-                           "0.5", "--max-drop", "0.03", "--test-chosen-only", "--ablations", "kv_reuse", "first_token",
-                           "--goal-drop", "0.03", "--goal-reuse", "2", "--max-new-tokens", "96", "--threads", "2",
+                           "0.5", "--completion-drafts", "all", "--max-drop", "0.03", "--test-chosen-only",
+                           "--ablations", "kv_reuse", "first_token", "completion_drafts", "--goal-drop", "0.03",
+                           "--goal-reuse", "2", "--max-new-tokens", "96", "--threads", "2",
                            "--out", f"{REAL}/cpu_refusion"], (SMOLLM2, REAL_REFUSION),
           module="pardec.benchmarks.refusion"),
     train("smollm2_jacobi_forcing_lora_1500", "00-round1"),

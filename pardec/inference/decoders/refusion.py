@@ -33,6 +33,16 @@ last one possibly short) and semi-AR blocks of b tokens (b a multiple of k). Eac
    tokens (the context and the prefix, in order) are kept and the slot's next token is taken from
    its distribution after the prefix, so completion starts at round 1 with the same tokens.
 
+**Speculative completion** (``completion_drafts`` = n > 0 or null = all; not in the paper, whose completion
+feeds one token per slot per forward; docs/methods/refusion.md#speculative-completion): each completion
+forward also feeds, after a growing slot's newest token, up to n of the slot's remaining plan drafts (never
+its last offset, whose token is always picked and left pending). The newest token's row picks the next
+token; while it equals the draft fed at that offset, that draft's K/V (it saw the context and the slot's
+tokens before it, all of them now the slot's) are kept and its row picks the next one; the rest are
+dropped. The verify forward's rows after a single slot's verified prefix are read the same way (they
+cost nothing). Greedy, the tokens are those of completion one token at a time (tested, both KV modes);
+sampled, each token is still drawn from the completion's distribution after its prefix.
+
 **Fused plan** (``fuse_plan``, default; not in the paper, whose plan is a forward of its own every
 step; docs/methods/refusion.md#fused-plan): the verify forward of step t also feeds, after the
 drafts, the masks of the slots step t + 1 would plan if every selected slot were accepted whole
@@ -72,7 +82,7 @@ prefill of ``prompt[:-1]`` excluded: the last prompt token is the first plan for
 iterations), ``slots_accepted`` (slots completed, over all steps), ``wholesale_steps`` (steps ended
 by verification), ``plan_forwards``, ``verify_forwards``, ``complete_forwards``, ``verify_reused``
 (completions that started from the verify forward), ``plans_fused`` (plans taken from the previous
-verify forward, no forward of their own).
+verify forward, no forward of their own), ``drafts_completed`` (draft tokens speculative completion kept).
 
 Decisions where the paper is silent (docs/methods/refusion.md#decisions-where-the-paper-is-silent):
 the ``<|mask|>`` logit is excluded from every distribution (a draft or completion never emits it);
@@ -151,6 +161,12 @@ class ReFusionDecoderConfig(DecoderConfig):
     # selected slot is accepted whole; when that happens their predictions replace the next plan
     # forward (the same tokens, one forward fewer); false: every step has its own plan forward.
     fuse_plan: bool = True
+    # Speculative completion (beyond the paper): a completion forward also feeds, after each growing
+    # slot's newest token, up to this many of the slot's remaining plan drafts, and keeps those the
+    # completion picks again (also along the verify forward's rows, which cost nothing). Greedy: the
+    # same tokens as 0, fewer and wider forwards; sampled: the same distribution. 0 = off (the paper:
+    # one token per slot per completion forward); null = every remaining draft.
+    completion_drafts: Optional[int] = ranged(0, ge=0, note="0 = off, null = all")
     # mask (the paper: a slot's first token is drafted and scored by its own mask) | ar (beyond the
     # paper: by the AR head at the token before it, the next-token prediction of the committed text;
     # needs block_size = slot size, so that every slot starts right after the committed text). With
@@ -306,14 +322,15 @@ class ReFusionDecoder(PerSampleDecoder):
         """Per-run aggregates: mean slots accepted per plan-and-infill step, and the forward mix."""
         total = {key: sum(r["stats"].get(key, 0) for r in records)
                  for key in ("steps", "slots_accepted", "wholesale_steps", "plan_forwards", "verify_forwards",
-                             "complete_forwards", "plans_fused")}
+                             "complete_forwards", "plans_fused", "drafts_completed")}
         steps = total["steps"]
         return {
             "refusion_slots_per_step": total["slots_accepted"] / steps if steps else None,
             "refusion_wholesale_fraction": total["wholesale_steps"] / steps if steps else None,
             "refusion_steps_per_sample": steps / len(records) if records else None,
             **{f"refusion_{key}": total[key]
-               for key in ("plan_forwards", "verify_forwards", "complete_forwards", "plans_fused")},
+               for key in ("plan_forwards", "verify_forwards", "complete_forwards", "plans_fused",
+                           "drafts_completed")},
         }
 
     # -- distributions ---------------------------------------------------------------------------
@@ -353,7 +370,8 @@ class ReFusionDecoder(PerSampleDecoder):
         slots = [_Slot(i, s, min(s + k, length)) for i, s in enumerate(range(0, length, k))]
         end = length  # target length; shrinks to EOS + 1
         stats = {"slot_size": k, "steps": 0, "slots_accepted": 0, "wholesale_steps": 0, "plan_forwards": 0,
-                 "verify_forwards": 0, "complete_forwards": 0, "verify_reused": 0, "plans_fused": 0}
+                 "verify_forwards": 0, "complete_forwards": 0, "verify_reused": 0, "plans_fused": 0,
+                 "drafts_completed": 0}
         fused = None  # (slot indices, end, probs [m, V]) of the next plan, from the last verify forward
         ar_next = None  # first_token=ar: (offset, probs [V]) of the AR head's prediction after the committed text
 
@@ -461,17 +479,25 @@ class ReFusionDecoder(PerSampleDecoder):
                     if self.cfg.reuse_verify and len(selected) == 1:
                         # One slot: the verify forward computed its prefix's K/V over the context and
                         # the prefix, as completion round 0 would, and the distribution of its next
-                        # token. Keep both instead of re-feeding the prefix.
-                        ctx.crop(base_len + common)
-                        ctx.relabel(base_len, selected[0].index)
-                        fed = common
-                        if not any(t in eos_token_ids for t in seqs[selected[0].index]):
-                            seqs[selected[0].index] += self._pick(probs[common - 1: common], generator)
+                        # token. Keep both instead of re-feeding the prefix; with completion_drafts, also
+                        # the draft entries after it that the completion picks again.
+                        slot = selected[0]
+                        seq, draft = seqs[slot.index], drafts[slot.index]
+                        kept = 0
+                        if not any(t in eos_token_ids for t in seq) and len(seq) < len(draft):
+                            spec = self._speculated(len(seq), draft, len(draft))
+                            rows = probs[common - 1: common + len(spec)]  # the prefix's last row, then the drafts'
+                            kept = self._continue(seq, draft, rows, self._pick(rows[:1], generator)[0],
+                                                  len(draft), eos_token_ids, generator)
                             stats["verify_reused"] += 1
+                            stats["drafts_completed"] += kept
+                        ctx.crop(base_len + common + kept)
+                        ctx.relabel(base_len, slot.index)
+                        fed = common + kept
                     else:
                         ctx.crop(base_len)
-                    done, pending = self._complete(ctx, base_len, selected, seqs, fed, n_prompt, end, mask_id,
-                                                   eos_token_ids, generator, stats)
+                    done, pending = self._complete(ctx, base_len, selected, seqs, drafts, fed, n_prompt, end,
+                                                   mask_id, eos_token_ids, generator, stats)
 
                 # 4. Commit; EOS truncates the target length (undecoded slots before it stay).
                 for index, toks in done.items():
@@ -511,12 +537,41 @@ class ReFusionDecoder(PerSampleDecoder):
         left = [s for s in remaining if s.index not in taken]
         return _plan_set(left, block, self.cfg.plan_scope)[1] if left else []
 
-    def _complete(self, ctx: _Context, base: int, selected: list[_Slot], seqs: dict[int, list[int]], fed: int,
-                  n_prompt: int, end: int, mask_id: int, eos_token_ids: Collection[int],
-                  generator: torch.Generator, stats: dict[str, Any]):
+    def _speculated(self, offset: int, draft: list[int], target: int) -> list[int]:
+        """The draft offsets a completion forward feeds after a slot's newest token at ``offset - 1``
+        (``completion_drafts``): from ``offset`` to the slot's second-to-last, so that a completed slot's
+        last token is always one its completion picked, left pending."""
+        stop = min(len(draft), target - 1)
+        if self.cfg.completion_drafts is not None:
+            stop = min(stop, offset + self.cfg.completion_drafts)
+        return list(range(offset, stop))
+
+    def _continue(self, seq: list[int], draft: list[int], rows: torch.Tensor, first: int, target: int,
+                  eos_token_ids: Collection[int], generator: torch.Generator) -> int:
+        """Append ``first`` (picked from ``rows[0]``, the row of the slot's newest fed token) to the slot's
+        tokens ``seq``; then, while the pick equals the draft token fed at its offset (``rows[i]`` is the
+        row of the i-th draft entry fed after the newest token) and the slot goes on, keep that entry
+        and pick the next token from its row. Returns how many draft entries were kept: the tokens are
+        those completion would pick one forward at a time (the same argmax; sampled, the same
+        distribution)."""
+        kept, token = 0, first
+        while True:
+            seq.append(token)
+            offset = len(seq) - 1
+            if kept + 1 >= len(rows) or token != draft[offset] or len(seq) >= target or token in eos_token_ids:
+                return kept
+            kept += 1
+            token = self._pick(rows[kept: kept + 1], generator)[0]
+
+    def _complete(self, ctx: _Context, base: int, selected: list[_Slot], seqs: dict[int, list[int]],
+                  drafts: dict[int, list[int]], fed: int, n_prompt: int, end: int, mask_id: int,
+                  eos_token_ids: Collection[int], generator: torch.Generator, stats: dict[str, Any]):
         """Complete the selected slots from ``seqs`` (their tokens so far, of which the first ``fed``
         are already in the context after ``base``, in the slot's group), one forward per round, each
-        slot seeing the context and itself. Returns ``({slot: tokens}, pending tokens)``."""
+        slot seeing the context and itself. With ``completion_drafts`` a round also feeds, after each
+        growing slot's newest token, its remaining ``drafts`` tokens (speculative decoding with the
+        plan's drafts): those the completion picks again keep their K/V, the rest are dropped.
+        Returns ``({slot: tokens}, pending tokens)``."""
         target = {s.index: min(s.stop, end) - s.start for s in selected}
 
         def unfinished(s: _Slot) -> bool:
@@ -525,14 +580,30 @@ class ReFusionDecoder(PerSampleDecoder):
 
         feed = [(s, j) for s in selected for j in range(fed, len(seqs[s.index]))]  # round 0: what is not fed
         while any(unfinished(s) for s in selected):
-            logits = ctx.forward([seqs[s.index][j] for s, j in feed], [n_prompt + s.start + j for s, j in feed],
-                                 [s.index for s, _ in feed])
-            stats["complete_forwards"] += 1
             last_row = {s.index: r for r, (s, _) in enumerate(feed)}  # each slot's last fed token
             growing = [s for s in selected if unfinished(s) and s.index in last_row]
+            spec = {s.index: self._speculated(len(seqs[s.index]), drafts[s.index], target[s.index]) for s in growing}
+            rows = [(s, j, seqs[s.index][j]) for s, j in feed] + [
+                (s, j, drafts[s.index][j]) for s in growing for j in spec[s.index]]
+            first_spec = {}  # each growing slot's first draft row
+            for r, (s, j, _) in enumerate(rows[len(feed):], start=len(feed)):
+                first_spec.setdefault(s.index, r)
+            start = len(ctx)
+            logits = ctx.forward([t for _, _, t in rows], [n_prompt + s.start + j for s, j, _ in rows],
+                                 [s.index for s, _, _ in rows])
+            stats["complete_forwards"] += 1
             probs = self._probs(logits[[last_row[s.index] for s in growing]], mask_id)  # [g, V]
-            for s, token in zip(growing, self._pick(probs, generator), strict=True):
-                seqs[s.index].append(token)
+            drop = []
+            for g, (s, token) in enumerate(zip(growing, self._pick(probs, generator), strict=True)):
+                spec_rows = [first_spec[s.index] + i for i in range(len(spec[s.index]))]
+                slot_rows = torch.cat([probs[g: g + 1], self._probs(logits[spec_rows], mask_id)])  # [1 + spec, V]
+                kept = self._continue(seqs[s.index], drafts[s.index], slot_rows, token, target[s.index],
+                                      eos_token_ids, generator)
+                stats["drafts_completed"] += kept
+                drop += [start + r for r in spec_rows[kept:]]
+            if drop:
+                dropped = set(drop)
+                ctx.select([i for i in range(len(ctx)) if i not in dropped])
             feed = [(s, len(seqs[s.index]) - 1) for s in growing if unfinished(s)]
         # Tokens never fed (each grown slot's newest; all of them when no round ran) are pending.
         fed = set(zip(ctx.pos[base:], ctx.groups[base:]))
