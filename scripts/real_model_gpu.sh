@@ -21,8 +21,9 @@
 #   Jacobi and for multi-block on its own; AR greedy, Jacobi and multi-block rows) on PROBLEMS test problems,
 #   in each of DECODE_MODES (graphs: every row's decode step captured as a CUDA graph, --cuda-graphs).
 # - REFUSION=1 (default 0): the ReFusion conversion (experiment=smollm2_refusion_gpu), then the ReFusion
-#   table (pardec.benchmarks.refusion, the CPU run's settings: b=16, tau among 0.9/0.7/0.5 chosen on
-#   REFUSION_VAL val problems, default 10, then the chosen tau and its KV-recomputation ablation) on
+#   table (pardec.benchmarks.refusion, the first CPU run's settings: b=16, tau among 0.9/0.7/0.5 chosen on
+#   REFUSION_VAL val problems, default 10, every row with speculative completion as the CPU pipeline's, then
+#   the chosen tau, its KV-recomputation ablation and the paper's completion, completion_drafts=0) on
 #   PROBLEMS test problems, in each of DECODE_MODES (graphs: gpu_refusion_graphs_<gpu>; eager:
 #   gpu_refusion_<gpu>). Runs after Jacobi Forcing: with both, a time limit stops ReFusion first.
 # DECODE_MODES (default "graphs eager") names the I-DLM, FlashDLM, COVER, Jacobi Forcing and ReFusion tables'
@@ -176,7 +177,8 @@ if [ "$with_refusion" = 1 ]; then
     stamp "benchmark ($mode): AR greedy vs ReFusion (tau on $refusion_val val problems), $problems test problems"
     $py -m pardec.benchmarks.refusion --base $sft/hf --refusion $refusion/hf --num-samples "$problems" \
       --num-val "$refusion_val" --block-sizes 16 --first-tokens mask --thresholds 0.9 0.7 0.5 --max-drop 0.03 \
-      --test-chosen-only --ablations kv_reuse --no-own-ar --goal-drop 0.03 --goal-reuse 2 --max-new-tokens 96 \
+      --completion-drafts all --test-chosen-only --ablations kv_reuse completion_drafts --no-own-ar \
+      --goal-drop 0.03 --goal-reuse 2 --max-new-tokens 96 \
       --device auto --dtype float32 --threads "$threads" $([ $mode = graphs ] && echo --cuda-graphs) \
       --out $out/gpu_refusion$([ $mode = graphs ] && echo _graphs)_$gpu$tag
   done
