@@ -491,14 +491,20 @@ def naive_greedy(model, tokenizer, prompt, max_new_tokens=24):
     return out
 
 
+@pytest.mark.parametrize("drafts", [0, None])
 @pytest.mark.parametrize("kv_reuse", [True, False])
 @pytest.mark.parametrize("threshold", [0.5, 0.9])
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_ar_first_token_with_thresholds_from_one_half_is_own_ar_greedy(tokenizer, prompt, threshold, kv_reuse):
-    model = converted_model(tokenizer, seed=3)
-    result = decode(model, tokenizer, prompt, threshold=threshold, kv_reuse=kv_reuse, block_size=4, first_token="ar")
-    assert result.tokens == naive_greedy(model, tokenizer, prompt)
-    assert_valid(result, tokenizer)
+def test_ar_first_token_with_thresholds_from_one_half_is_own_ar_greedy(tokenizer, prompt, threshold, kv_reuse,
+                                                                       drafts):
+    """Against plain forwards over the growing text, speculative completion (drafts=None) included;
+    seed 6 is a tiny model whose drafts the completion often picks."""
+    for seed in (3, 6):
+        model = converted_model(tokenizer, seed=seed)
+        result = decode(model, tokenizer, prompt, threshold=threshold, kv_reuse=kv_reuse, block_size=4,
+                        first_token="ar", completion_drafts=drafts)
+        assert result.tokens == naive_greedy(model, tokenizer, prompt)
+        assert_valid(result, tokenizer)
 
 
 @pytest.mark.parametrize("fuse_plan", [True, False])

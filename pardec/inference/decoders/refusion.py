@@ -583,11 +583,11 @@ class ReFusionDecoder(PerSampleDecoder):
             last_row = {s.index: r for r, (s, _) in enumerate(feed)}  # each slot's last fed token
             growing = [s for s in selected if unfinished(s) and s.index in last_row]
             spec = {s.index: self._speculated(len(seqs[s.index]), drafts[s.index], target[s.index]) for s in growing}
-            rows = [(s, j, seqs[s.index][j]) for s, j in feed] + [
-                (s, j, drafts[s.index][j]) for s in growing for j in spec[s.index]]
-            first_spec = {}  # each growing slot's first draft row
-            for r, (s, j, _) in enumerate(rows[len(feed):], start=len(feed)):
-                first_spec.setdefault(s.index, r)
+            rows = [(s, j, seqs[s.index][j]) for s, j in feed]
+            spec_rows = {}  # each growing slot's draft rows, after every fed token
+            for s in growing:
+                spec_rows[s.index] = list(range(len(rows), len(rows) + len(spec[s.index])))
+                rows += [(s, j, drafts[s.index][j]) for j in spec[s.index]]
             start = len(ctx)
             logits = ctx.forward([t for _, _, t in rows], [n_prompt + s.start + j for s, j, _ in rows],
                                  [s.index for s, _, _ in rows])
@@ -595,12 +595,12 @@ class ReFusionDecoder(PerSampleDecoder):
             probs = self._probs(logits[[last_row[s.index] for s in growing]], mask_id)  # [g, V]
             drop = []
             for g, (s, token) in enumerate(zip(growing, self._pick(probs, generator), strict=True)):
-                spec_rows = [first_spec[s.index] + i for i in range(len(spec[s.index]))]
-                slot_rows = torch.cat([probs[g: g + 1], self._probs(logits[spec_rows], mask_id)])  # [1 + spec, V]
+                own = spec_rows[s.index]
+                slot_rows = torch.cat([probs[g: g + 1], self._probs(logits[own], mask_id)])  # [1 + spec, V]
                 kept = self._continue(seqs[s.index], drafts[s.index], slot_rows, token, target[s.index],
                                       eos_token_ids, generator)
                 stats["drafts_completed"] += kept
-                drop += [start + r for r in spec_rows[kept:]]
+                drop += [start + r for r in own[kept:]]
             if drop:
                 dropped = set(drop)
                 ctx.select([i for i in range(len(ctx)) if i not in dropped])
