@@ -103,7 +103,8 @@ def simple_commands(line: str) -> list[list[str]]:
     return out
 
 
-SHARED_FLAGS = "pardec.benchmarks.common"  # add_runtime_args, add_bound_args
+SHARED_FLAGS = "pardec.benchmarks.common"  # add_runtime_args, add_bound_args, add_split_arg, add_template_arg
+SHARED_HELPERS = ("add_runtime_args", "add_bound_args", "add_split_arg", "add_template_arg")
 
 
 def argparse_flags(module: str) -> set[str] | None:
@@ -112,7 +113,7 @@ def argparse_flags(module: str) -> set[str] | None:
     module has no argparse parser (Hydra entry points, torchrun)."""
     spec = importlib.util.find_spec(module)
     source = Path(spec.origin).read_text()
-    shared = module != SHARED_FLAGS and any(f"{helper}(" in source for helper in ("add_runtime_args", "add_bound_args"))
+    shared = module != SHARED_FLAGS and any(f"{helper}(" in source for helper in SHARED_HELPERS)
     if "add_argument(" not in source and not shared:
         return None
     flags = {node.value for node in ast.walk(ast.parse(source))

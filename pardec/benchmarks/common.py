@@ -11,12 +11,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import datasets
 import torch
 from omegaconf import OmegaConf
 
 from pardec.common.run_records import machine_description, set_entry
 from pardec.data_pipelines.config import DataConfig
 from pardec.data_pipelines.sources import load_raw_split
+from pardec.data_pipelines.synthetic_gsm import FRESH_SPLIT, generate_split
 
 # Where the benchmarks save their tables by default: relative to the working directory, so a run
 # from the repository root updates the repository's current tables (``benchmarks/results/``).
@@ -73,20 +75,54 @@ def identical(records, reference) -> float:
 def validation_rows(num_samples: int):
     """The first ``num_samples`` problems of the embedded default's validation split (disjoint from
     train and test): where decoders are tuned, so the test problems stay held out."""
-    import datasets
+    return _generated_rows("val", num_val=num_samples)
 
-    from pardec.data_pipelines.synthetic_gsm import generate_split
 
+def fresh_rows(split: str, num_samples: int):
+    """The first ``num_samples`` problems of a fresh split (``fresh1``, ``fresh2``, ...: disjoint from
+    train, test and the 200 val problems; :mod:`pardec.data_pipelines.synthetic_gsm`): problems nobody
+    tuned or reported on, to check a table's numbers on new ones."""
+    return _generated_rows(split, num_fresh=num_samples)
+
+
+def _generated_rows(split: str, **counts: int):
     cfg = OmegaConf.structured(DataConfig).synthetic
-    cfg.num_val = num_samples
-    return datasets.Dataset.from_list(generate_split(cfg, "val"))
+    for key, value in counts.items():
+        setattr(cfg, key, value)
+    return datasets.Dataset.from_list(generate_split(cfg, split))
 
 
 def split_rows(split: str, num_samples: int):
-    """The first ``num_samples`` problems of ``split``: ``val`` (tuning) or ``test`` (held out)."""
-    if split not in ("val", "test"):
-        raise ValueError(f"split must be 'val' or 'test', got {split!r}")
-    return validation_rows(num_samples) if split == "val" else held_out_rows(num_samples)
+    """The first ``num_samples`` problems of ``split``: ``val`` (tuning), ``test`` (held out, reported)
+    or a fresh split ``fresh<k>`` (new problems, to check results on)."""
+    if split == "val":
+        return validation_rows(num_samples)
+    if split == "test":
+        return held_out_rows(num_samples)
+    if FRESH_SPLIT.fullmatch(split):
+        return fresh_rows(split, num_samples)
+    raise ValueError(f"split must be 'val', 'test' or 'fresh<k>' (fresh1, fresh2, ...), got {split!r}")
+
+
+def split_label(split: str) -> str:
+    """How a table's header names ``split``: "test split", "validation split" or "fresh split fresh1"."""
+    return {"test": "test split", "val": "validation split"}.get(split, f"fresh split {split}")
+
+
+def add_split_arg(p: argparse.ArgumentParser, default: str = "test", *, val: bool = True) -> None:
+    """``--split``: the problems the table reports, ``test`` (the held-out 200), ``val`` (unless ``val``
+    is false: a benchmark that tunes on val first reports on another split) or ``fresh1``, ``fresh2``, ...
+    (new problems, disjoint from train, test and val)."""
+    names = ("test", "val") if val else ("test",)
+
+    def split_name(text: str) -> str:
+        if text in names or FRESH_SPLIT.fullmatch(text):
+            return text
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {', '.join(names)} or fresh<k> (fresh1, fresh2, ...)")
+
+    p.add_argument("--split", type=split_name, default=default, metavar="{" + ",".join(names) + ",fresh<k>}",
+                   help="the problems decoded: " + ", ".join(names) + " or fresh<k> (new problems, disjoint from "
+                        "train, test and val; fresh1, fresh2, ... are different ones)")
 
 
 def fastest_lossless(candidates: list[dict], what: str) -> tuple[dict, str]:

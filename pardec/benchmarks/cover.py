@@ -10,8 +10,9 @@ COVER's tau_draft is chosen on a *validation* split first (``--taus``), by ``--s
 ``accuracy`` (best accuracy, then fewest steps) or ``baselines`` (the fewest steps among the taus
 whose validation accuracy is at least the best of WINO's and Saber's there, which are then run on
 validation too; the most accurate tau when none is: the operating point the issue's claim "fewer
-steps at accuracy no lower" asks about). Then every row runs on the held-out test problems. The
-validation problems are the generator's ``val`` split (disjoint from train and test).
+steps at accuracy no lower" asks about). Then every row runs on the held-out test problems (``--split
+fresh1``, ``fresh2``, ...: on new problems instead). The validation problems are the generator's ``val``
+split (disjoint from train and test).
 
 ``--base``: the AR base the MDM came from, whose AR greedy row comes first (TPS / base AR within
 the run). ``--chunk-dir DIR``: the test rows decoded ``--chunk-size`` problems at a time, every row
@@ -41,12 +42,14 @@ from pardec.benchmarks.chunks import decode_all, progress_note
 from pardec.benchmarks.common import (
     RESULTS,
     add_runtime_args,
+    add_split_arg,
     current_machine,
-    held_out_rows,
     identical,
     invoked_command,
     machine_name,
     or_dash,
+    split_label,
+    split_rows,
     validation_rows,
     write_results,
 )
@@ -80,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--base", default=None, help="the AR base the MDM was converted from: adds its AR greedy row "
                    "(TPS / base AR within the run)")
     p.add_argument("--num-samples", type=int, default=200)
+    add_split_arg(p, val=False)  # the reported problems: settings are chosen on val first
     p.add_argument("--num-validation", type=int, default=200)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--block-size", type=int, default=None,
@@ -125,9 +129,10 @@ def table_rows(args: argparse.Namespace, tau: float) -> list[tuple[str, dict]]:
 
 def chunk_fingerprint(args: argparse.Namespace, rows: list[tuple[str, dict]]) -> dict:
     """What the test chunks are made by (pardec.benchmarks.chunks: a chunk of another setting is refused)."""
+    split = {"split": args.split} if args.split != "test" else {}  # test chunks committed before --split keep theirs
     return {"benchmark": "cover", "mdm": args.mdm, "base": args.base, "template": args.template,
             "device": args.device, "dtype": args.dtype, "threads": args.threads,
-            "rows": [[label, decoder] for label, decoder in rows]}
+            "rows": [[label, decoder] for label, decoder in rows], **split}
 
 
 def metrics_row(records: list[dict], decoder: dict, tok, is_ar: bool = False) -> dict:
@@ -176,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     base = load_checkpoint(args.base, device=args.device, dtype=args.dtype) if args.base else None
     if args.block_size is None:
         args.block_size = default_block_size(mdm_info(model))
-    test = held_out_rows(args.num_samples)
+    test = split_rows(args.split, args.num_samples)
     val = validation_rows(args.num_validation)
     warmup = test.select(range(min(2, len(test))))
     common = common_settings(args)
@@ -233,9 +238,10 @@ def main(argv: list[str] | None = None) -> None:
         progress = progress_note(args.chunk_dir, args.chunk_size, done, len(test))
         write_results(args.out, invoked_command("pardec.benchmarks.cover", argv),
                       f"Checkpoint: {args.mdm}{f' (AR row: {args.base})' if base else ''}. Test: the first {done} "
-                      f"held-out problems{progress}; COVER's tau_draft tuned on the first {args.num_validation} "
-                      f"problems of the generator's val split. Block {args.block_size}, {args.max_new_tokens} new "
-                      f"tokens, batch 1, {args.dtype} on {args.device} ({args.threads} threads"
+                      f"problems of the {split_label(args.split)}{progress}; COVER's tau_draft tuned on the first "
+                      f"{args.num_validation} problems of the generator's val split. Block {args.block_size}, "
+                      f"{args.max_new_tokens} new tokens, batch 1, {args.dtype} on {args.device} "
+                      f"({args.threads} threads"
                       f"{', every forward a CUDA graph' if args.cuda_graphs else ''}), template "
                       f"{args.template}.\n\nValidation (COVER; decoded by the run that wrote this table, on "
                       f"{machine_name(validation_machine)}):\n\n{tune_md}\n\nTest:\n\n{md}",

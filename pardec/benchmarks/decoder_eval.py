@@ -17,7 +17,7 @@ import json
 
 import torch
 
-from pardec.benchmarks.common import split_rows
+from pardec.benchmarks.common import add_split_arg, split_rows
 from pardec.common.errors import ConfigError
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.evaluate import evaluate
@@ -50,7 +50,7 @@ def main() -> None:
     p.add_argument("--model", required=True, help="HF export to evaluate")
     p.add_argument("--decoder", action="append", required=True, help="decoder config as JSON (repeatable)")
     p.add_argument("--num", type=int, default=100, help="problems")
-    p.add_argument("--split", choices=("val", "test"), default="val", help="tune on val; report on test")
+    add_split_arg(p, default="val")  # tune on val; report on test
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--stats", action="store_true", help="also print the per-sample mean of each numeric stat")
     a = p.parse_args()

@@ -46,10 +46,12 @@ from pardec.benchmarks.common import (
     RESULTS,
     add_bound_args,
     add_runtime_args,
+    add_split_arg,
     fastest_lossless,
     identical,
     invoked_command,
     or_dash,
+    split_label,
     split_rows,
     validation_rows,
     write_results,
@@ -69,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-samples", type=int, default=200)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--split", default="test", choices=["test", "val"])
+    add_split_arg(p)
     p.add_argument("--strides", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--num-val", type=int, default=0,
                    help="choose N among --strides on this many val problems first (highest TPS, lossless)")
@@ -205,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         md = (f"Validation split ({args.num_val} problems of the generator's val split; N chosen here: {chosen}, "
               f"{rule}):\n\n{markdown(validation)}\n\n"
-              f"{args.split.capitalize()} split ({args.num_samples} problems; ISD at N = "
+              f"{split_label(args.split).capitalize()} ({args.num_samples} problems; ISD at N = "
               f"{', '.join(map(str, test_strides))}):\n\n{markdown(table)}")
         payload = {"command": command, "chosen_stride": chosen, "choice_rule": rule,
                    "test_strides": test_strides, "validation": validation, "test": table}

@@ -18,7 +18,7 @@ import json
 
 import torch
 
-from pardec.benchmarks.common import identical, split_rows
+from pardec.benchmarks.common import add_split_arg, identical, split_rows
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.evaluate import evaluate
 
@@ -28,7 +28,7 @@ def main() -> None:
     p.add_argument("--model", required=True, help="HF export to evaluate")
     p.add_argument("--n", type=int, default=None, help="trained block size (Jacobi rows at n and 2n); none = AR only")
     p.add_argument("--num", type=int, default=200, help="problems")
-    p.add_argument("--split", choices=("val", "test"), default="val", help="tune on val; report on test")
+    add_split_arg(p, default="val")  # tune on val; report on test
     p.add_argument("--base-ar", default=None, help="base AR greedy outputs (JSON from --save-ar)")
     p.add_argument("--save-ar", default=None, help="write this model's AR greedy outputs (JSON)")
     p.add_argument("--mr", action="store_true", help="also multi-block + rejection recycling")

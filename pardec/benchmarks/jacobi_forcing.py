@@ -87,10 +87,12 @@ from pardec.benchmarks.common import (
     RESULTS,
     add_bound_args,
     add_runtime_args,
+    add_split_arg,
     fastest_lossless,
     identical,
     invoked_command,
     or_dash,
+    split_label,
     split_rows,
     validation_rows,
     write_results,
@@ -137,7 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pack-length", type=int, default=512)
     p.add_argument("--train-repeats", type=int, default=3)
     p.add_argument("--no-training-table", action="store_true", help="skip table 2 (the packed-loss timing)")
-    p.add_argument("--split", default="test", choices=["test", "val"])
+    add_split_arg(p)
     p.add_argument("--num-val", type=int, default=0,
                    help="choose the last round's block size n on this many val problems first (highest TPS, lossless)")
     p.add_argument("--val-block-sizes", type=int, nargs="+", default=[4, 8, 16], help="the n tried on val")
@@ -446,7 +448,7 @@ def main(argv: list[str] | None = None) -> None:
                              if chosen_multiblock else "")
         lines += [f"Validation split ({args.num_val} problems of the generator's val split; n chosen here: {chosen}, "
                   f"{rule}{multiblock_choice}):", "", *markdown(validation, bound), "",
-                  f"{args.split.capitalize()} split:", ""]
+                  f"{split_label(args.split).capitalize()}:", ""]
     lines += markdown(table, bound)
     lines.append(f"\n{len(eval_rows)} {args.split} problems, batch 1, {args.dtype} on {args.device}, "
                  f"<= {args.max_new_tokens} new tokens, template {args.template}."

@@ -19,6 +19,7 @@ MDM was converted from. Columns:
 ``--split test`` (default): the first ``--num-samples`` problems of the synthetic test split.
 ``--split val``: the first ``--num-samples`` problems of the generator's validation split (disjoint
 from train and test), where the committed defaults are chosen; the test problems stay held out.
+``--split fresh1`` (``fresh2``, ...): new problems, disjoint from all three, to check a table on.
 ``--chunk-dir DIR``: decode ``--chunk-size`` problems at a time, every row on each chunk in turn,
 each chunk saved in DIR and skipped when the same command runs again; the table (of the problems
 done so far, said in its header) is rewritten after every chunk (``pardec.benchmarks.chunks``).
@@ -36,9 +37,11 @@ from pardec.benchmarks.chunks import decode_all, progress_note
 from pardec.benchmarks.common import (
     RESULTS,
     add_runtime_args,
+    add_split_arg,
     identical,
     invoked_command,
     or_dash,
+    split_label,
     split_rows,
     write_results,
 )
@@ -54,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--base", required=True, help="AR base export (also the guide)")
     p.add_argument("--mdm", required=True, help="MDM export (recipe=mdm)")
     p.add_argument("--num-samples", type=int, default=200)
-    p.add_argument("--split", choices=("test", "val"), default="test")
+    add_split_arg(p)
     p.add_argument("--gen-length", type=int, default=64)
     p.add_argument("--block-size", type=int, default=None,
                    help="decoding block (default: the MDM's attention block for block models, else 32)")
@@ -182,10 +185,9 @@ def main(argv: list[str] | None = None) -> None:
             r["tps_vs_base_ar"] = r["tps"] / by_key["ar"]["tps"] if "ar" in by_key else None
         md = table_md(table)
         print(md, flush=True)
-        split = "test split" if args.split == "test" else "validation split"
         progress = progress_note(args.chunk_dir, args.chunk_size, done, len(eval_rows))
         write_results(args.out, invoked_command("pardec.benchmarks.mdm_flashdlm", argv),
-                      f"{done} problems ({split}){progress}, generation length {args.gen_length}, "
+                      f"{done} problems ({split_label(args.split)}){progress}, generation length {args.gen_length}, "
                       f"block {args.block_size}, batch 1, {args.dtype} on {args.device} ({args.threads} threads"
                       f"{', every decode step a CUDA graph' if args.cuda_graphs else ''}), "
                       f"template {args.template}.\n\n{md}", table, machine=machine)

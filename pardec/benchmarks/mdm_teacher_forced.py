@@ -25,7 +25,15 @@ import argparse
 
 import torch
 
-from pardec.benchmarks.common import RESULTS, add_template_arg, invoked_command, or_dash, split_rows, write_results
+from pardec.benchmarks.common import (
+    RESULTS,
+    add_split_arg,
+    add_template_arg,
+    invoked_command,
+    or_dash,
+    split_rows,
+    write_results,
+)
 from pardec.data_pipelines.tokenize import encode_example, stop_token_ids
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.mdm_common import mdm_info
@@ -40,7 +48,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--base", required=True, help="AR base export")
     p.add_argument("--mdm", required=True, help="MDM export (recipe=mdm)")
     p.add_argument("--num-samples", type=int, default=50)
-    p.add_argument("--split", choices=("val", "test"), default="val")
+    add_split_arg(p, default="val")
     p.add_argument("--gen-length", type=int, default=64, help="answer positions the MDM sees (the decoders' L)")
     add_template_arg(p)
     p.add_argument("--threads", type=int, default=1)

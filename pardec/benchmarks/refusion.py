@@ -12,8 +12,9 @@ One run, two phases, every row at batch 1 in this process after an untimed warm-
    every row with ``--completion-drafts`` (speculative completion, beyond the paper; 0 = off).
    The chosen setting is the one with the highest TPF whose validation accuracy is within
    ``--max-drop`` points of the base's (the most accurate one when none is).
-2. **Test** (the first ``--num-samples`` held-out test problems): the two AR greedy rows, ReFusion at
-   the chosen b and first-token source and every tau of the sweep with KV reuse, and the chosen
+2. **Test** (the first ``--num-samples`` held-out test problems; ``--split fresh1``: new problems
+   instead): the two AR greedy rows, ReFusion at the chosen b and first-token source and every tau
+   of the sweep with KV reuse, and the chosen
    setting again with ``kv_reuse=false`` (the whole context recomputed every forward, the paper's
    ablation), with ``fuse_plan=false`` (a plan forward every step: the same tokens, more forwards),
    at b = k with the other first-token source, and with speculative completion on, without it
@@ -50,10 +51,12 @@ import torch
 from pardec.benchmarks.common import (
     RESULTS,
     add_runtime_args,
-    held_out_rows,
+    add_split_arg,
     identical,
     invoked_command,
     or_dash,
+    split_label,
+    split_rows,
     validation_rows,
     write_results,
 )
@@ -71,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--base", required=True, help="AR base export (HF dir)")
     p.add_argument("--refusion", required=True, help="ReFusion export (recipe=refusion)")
     p.add_argument("--num-samples", type=int, default=200, help="test problems")
+    add_split_arg(p, val=False)  # the reported problems: settings are chosen on val first
     p.add_argument("--num-val", type=int, default=200, help="validation problems (tuning)")
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
     p.add_argument("--max-drop", type=float, default=0.02, help="accuracy drop tolerated when choosing (b, tau)")
@@ -233,15 +237,15 @@ def main(argv: list[str] | None = None) -> None:
     chosen, rule = choose_setting(val, args.max_drop)
     block, tau = chosen["block_size"], chosen["threshold"]
     taus = [tau] if args.test_chosen_only else args.thresholds
-    test = phase(args, models, held_out_rows(args.num_samples), [{**chosen, "threshold": t} for t in taus],
+    test = phase(args, models, split_rows(args.split, args.num_samples), [{**chosen, "threshold": t} for t in taus],
                  slot_size, ablate=chosen)
     goals, goal_text = check_goals(test, chosen, slot_size, args)
     command = invoked_command("pardec.benchmarks.refusion")
     body = (
         f"Validation split ({args.num_val} problems of the generator's val split; setting chosen here: "
         f"{label(chosen)}, {rule}):\n\n{markdown(val)}\n\n"
-        f"Test split ({args.num_samples} held-out problems):\n\n{markdown(test)}\n\n"
-        f"Goals on the test split: {goal_text}"
+        f"{split_label(args.split).capitalize()} ({args.num_samples} problems):\n\n{markdown(test)}\n\n"
+        f"Goals on the {split_label(args.split)}: {goal_text}"
     )
     print(f"Command: {command}\n\n{body}")
     write_results(args.out, command, body, {

@@ -28,7 +28,15 @@ from collections.abc import Sequence
 
 import torch
 
-from pardec.benchmarks.common import RESULTS, add_template_arg, invoked_command, or_dash, split_rows, write_results
+from pardec.benchmarks.common import (
+    RESULTS,
+    add_split_arg,
+    add_template_arg,
+    invoked_command,
+    or_dash,
+    split_rows,
+    write_results,
+)
 from pardec.benchmarks.mdm_teacher_forced import ar_guesses, prompt_and_answer
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.refusion import resolve_slot_size
@@ -40,7 +48,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--base", required=True, help="AR base export")
     p.add_argument("--refusion", required=True, help="ReFusion export (recipe=refusion)")
     p.add_argument("--num-samples", type=int, default=100)
-    p.add_argument("--split", choices=("val", "test"), default="val")
+    add_split_arg(p, default="val")
     p.add_argument("--slot-size", type=int, default=None, help="k (default: the checkpoint's pardec.slot_size)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="the decoders' target length (caps the masks)")
     add_template_arg(p)

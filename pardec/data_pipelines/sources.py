@@ -26,7 +26,7 @@ import datasets
 import pyarrow.compute as pc
 
 from pardec.common.errors import DataError
-from pardec.data_pipelines.synthetic_gsm import generate_split
+from pardec.data_pipelines.synthetic_gsm import generate_split, is_split_name
 
 SPLITS = ("train", "eval")
 
@@ -54,11 +54,12 @@ def load_raw_split(data_cfg, split: str) -> datasets.Dataset:
 
 def synthetic_eval_split(data_cfg) -> str:
     """The generator's split a synthetic eval set is drawn from: ``data.eval_split`` = ``test`` (the
-    200 held-out problems, for reported tables) or ``val`` (disjoint from train and test, for choosing
-    settings)."""
-    if data_cfg.eval_split not in ("test", "val"):
+    200 held-out problems, for reported tables), ``val`` (disjoint from train and test, for choosing
+    settings) or ``fresh1``, ``fresh2``, ... (disjoint from all three: new problems to check a table on)."""
+    if data_cfg.eval_split == "train" or not is_split_name(data_cfg.eval_split):
         raise DataError(f"config key 'data.eval_split' = {data_cfg.eval_split!r}; with data.source=synthetic "
-                        "expected test (held out, for reported results) or val (for choosing settings)")
+                        "expected test (held out, for reported results), val (for choosing settings) or "
+                        "fresh<k> (fresh1, fresh2, ...: new problems, to check results on)")
     return data_cfg.eval_split
 
 

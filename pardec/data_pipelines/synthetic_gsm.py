@@ -15,6 +15,11 @@ own ``random.Random`` whose seed is a SHA-256 digest of ``(seed, split)``. The t
 generated first and excluded from the train split, so the splits never share a prompt; the validation
 split (``val``, for tuning decoders) excludes both the test and the train prompts.
 
+**Fresh splits** ``fresh1``, ``fresh2``, ... (``num_fresh`` problems each) exclude the train, test and
+val prompts (val at ``num_val``), each drawn from its own seed: problems nobody tuned on or reported on,
+to check a table's numbers on new ones (``--split fresh1`` in the benchmarks, ``data.eval_split=fresh1``
+in ``pardec-validate``). Adding them changed no other split.
+
 :func:`vocabulary_texts` lists every template and word the generator can emit, so the embedded
 tokenizer (``pardec.data_pipelines.synthetic_tokenizer``) covers the full output space, not a sample.
 """
@@ -31,6 +36,7 @@ from omegaconf import OmegaConf
 from pardec.common.config_fields import check_config, ranged
 
 SPLIT_NAMES = ("train", "test", "val")
+FRESH_SPLIT = re.compile(r"fresh[1-9][0-9]*")  # fresh1, fresh2, ...: the fresh splits (module doc)
 
 
 @dataclass
@@ -41,6 +47,8 @@ class SyntheticGSMConfig:
     # Validation split for tuning decoders (thresholds, ...): disjoint from train and test, drawn
     # from its own seed after both, so adding it left train and test unchanged.
     num_val: int = ranged(200, ge=0)
+    # Problems in each fresh split (fresh1, fresh2, ...): disjoint from train, test and val.
+    num_fresh: int = ranged(200, ge=0)
     # Arithmetic steps (chain-of-thought lines) per problem.
     min_steps: int = ranged(2, ge=1)
     max_steps: int = ranged(3, ge=1)
@@ -129,11 +137,17 @@ def split_seed(seed: int, split: str) -> int:
     return int.from_bytes(digest[:8], "big")
 
 
+def is_split_name(split: str) -> bool:
+    """Whether ``split`` names a split of the generator: train, test, val or a fresh one (fresh1, ...)."""
+    return split in SPLIT_NAMES or bool(FRESH_SPLIT.fullmatch(split))
+
+
 def generate_split(cfg: SyntheticGSMConfig, split: str) -> list[dict]:
-    """``cfg.num_train``, ``cfg.num_test`` or ``cfg.num_val`` unique examples with keys prompt,
-    response, answer. Test is drawn first, train excludes its prompts, val excludes both."""
-    if split not in SPLIT_NAMES:
-        raise ValueError(f"split must be one of {SPLIT_NAMES}, got {split!r}")
+    """``cfg.num_train``, ``cfg.num_test``, ``cfg.num_val`` or ``cfg.num_fresh`` unique examples with keys
+    prompt, response, answer. Test is drawn first, train excludes its prompts, val excludes both, and a
+    fresh split (``fresh<k>``, k >= 1) excludes all three."""
+    if not is_split_name(split):
+        raise ValueError(f"split must be one of {SPLIT_NAMES} or fresh<k> (k >= 1, e.g. fresh1), got {split!r}")
     if not isinstance(cfg, SyntheticGSMConfig):  # an OmegaConf node: read once, not per attribute access
         cfg = SyntheticGSMConfig(**OmegaConf.to_container(cfg))
     _check_config(cfg)
@@ -145,7 +159,11 @@ def generate_split(cfg: SyntheticGSMConfig, split: str) -> list[dict]:
     if split == "train":
         return train
     exclude |= {row["prompt"] for row in train}
-    return _generate(cfg, cfg.num_val, random.Random(split_seed(cfg.seed, "val")), exclude)
+    val = _generate(cfg, cfg.num_val, random.Random(split_seed(cfg.seed, "val")), exclude)
+    if split == "val":
+        return val
+    exclude |= {row["prompt"] for row in val}
+    return _generate(cfg, cfg.num_fresh, random.Random(split_seed(cfg.seed, split)), exclude)
 
 
 def _check_config(cfg: SyntheticGSMConfig) -> None:
