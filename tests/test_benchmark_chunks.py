@@ -251,6 +251,7 @@ def step_args(step_name: str) -> list[str]:
 # recipe.block_size of experiment smollm2_mdm_lora_2000 (the FlashDLM and COVER tables'): the decoding block both
 # commands default to
 MDM_BLOCK = 2
+MDM_BLOCK8 = 8  # that of smollm2_mdm_lora_2000_block8 (the block-8 FlashDLM table's)
 
 
 def test_the_reproduce_commands_still_make_the_committed_chunks_fingerprints():
@@ -258,10 +259,11 @@ def test_the_reproduce_commands_still_make_the_committed_chunks_fingerprints():
     them as they were made (a new config key, even at its default, would have every chunk refused): the
     FlashDLM and COVER tables' settings today against their first chunk's (the torch version and the
     checkpoints' digests, added when decoding, aside)."""
-    args = mdm_flashdlm.parse_args(step_args("cpu_mdm_flashdlm"))
-    args.block_size = MDM_BLOCK
-    assert mdm_flashdlm.chunk_fingerprint(args, mdm_flashdlm.selected_rows(args)) == committed_fingerprint(
-        "cpu_mdm_flashdlm")
+    for step_name, block in (("cpu_mdm_flashdlm", MDM_BLOCK), ("cpu_mdm_flashdlm_block8", MDM_BLOCK8)):
+        args = mdm_flashdlm.parse_args(step_args(step_name))
+        args.block_size = block
+        assert mdm_flashdlm.chunk_fingerprint(args, mdm_flashdlm.selected_rows(args)) == committed_fingerprint(
+            step_name)
 
     args = cover.parse_args(step_args("cpu_cover"))
     args.block_size = MDM_BLOCK

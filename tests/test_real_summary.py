@@ -62,7 +62,7 @@ def test_cpu_conversion_and_benchmark_machines_are_named_below_the_table(folders
     assert real_summary.cpu_machines(folders) == (
         "CPU conversion wall times were measured on: not recorded: `smollm2_risd`; "
         f"{epyc}: `smollm2_sft`, `smollm2_refusion_lora_3000`. CPU benchmarks (their TPS) were run on: "
-        "not recorded: `cpu_risd`, `cpu_idlm`, `cpu_mdm_flashdlm`, `cpu_cover`; "
+        "not recorded: `cpu_risd`, `cpu_idlm`, `cpu_mdm_flashdlm`, `cpu_cover`, `cpu_mdm_flashdlm_block8`; "
         f"Xeon, 2 cores: `cpu_jacobi_forcing`; {epyc}: `cpu_refusion`.")
 
 
@@ -76,11 +76,34 @@ def test_a_claim_below_100_percent_is_not_verified(folders, tmp_path):
     assert risd["conversion_seconds"] == 229  # read as smollm2_risd_gpu@h100
     assert [r.source for r in missing] == ["cpu_risd", "cpu_risd", "cpu_idlm", "cpu_jacobi_forcing",
                                            "cpu_jacobi_forcing", "cpu_refusion", *["cpu_mdm_flashdlm"] * 5,
-                                           *["cpu_cover"] * 3, "gpu_idlm_isd_graphs_h200",
+                                           *["cpu_cover"] * 3, *["cpu_mdm_flashdlm_block8"] * 3,
+                                           "gpu_idlm_isd_graphs_h200",
                                            "gpu_idlm_isd_graphs_h200", "gpu_refusion_graphs_h200",
                                            *["gpu_mdm_flashdlm_graphs_h200"] * 5,
                                            *["gpu_mdm_flashdlm_bidir_h200"] * 4, *["gpu_cover_bidir_h200"] * 3,
                                            *["gpu_cover_block32_h200"] * 3, *["gpu_jacobi_forcing_graphs_h200"] * 2]
+
+
+def test_the_block8_mdm_table_gives_the_goal_rows_it_decodes(folders):
+    """The block-8 MDM table decodes only the 6x goal's rows (AR, the baseline, FreeCache, FreeCache + guided):
+    those three are in the summary, marked block 8 and timed with the block-8 conversion; Fast-dLLM and guided
+    shifted, which it does not decode, are neither rows nor listed as missing."""
+    labels = ["AR greedy (base)", "MDM low-confidence, 1 token/step (baseline)",
+              "FreeCache (refresh), low-confidence 1/step", "FreeCache + guided (assisted, strict)"]
+    (folders / "cpu_mdm_flashdlm_block8.json").write_text(json.dumps(  # the FlashDLM table's name for TPS / base AR
+        [{**bench_row(label, 0.5, 1.0 + i, 0.0), "tps_vs_base_ar": 2.0 * i} for i, label in enumerate(labels)]))
+    entries = json.loads((folders / "cpu_conversions.json").read_text())
+    entries["smollm2_mdm_lora_2000_block8"] = {"wall_seconds": 3133.0}
+    table, missing = real_summary.build(folders, real_summary.conversion_seconds(folders))
+    block8 = [r for r in table if r["source"] == "cpu_mdm_flashdlm_block8"]
+    assert [(r["decoder"], r["tps_ratio"]) for r in block8] == [(label, 2.0 * i) for i, label in enumerate(labels)][1:]
+    assert [r["short"] for r in block8] == ["LLaDA 1/step, block 8", "FreeCache, block 8", "FreeCache+guided, block 8"]
+    assert {(r["checkpoint"], r["conversion"], r["conversion_seconds"], r["lossless"]) for r in block8} == {
+        (real_summary.MDM_BLOCK8_CPU_CHECKPOINT, "smollm2_mdm_lora_2000_block8", None, "no")}
+    assert "cpu_mdm_flashdlm_block8" not in {r.source for r in missing}
+    (folders / "cpu_conversions.json").write_text(json.dumps(entries))
+    table, _ = real_summary.build(folders, real_summary.conversion_seconds(folders))
+    assert {r["conversion_seconds"] for r in table if r["source"] == "cpu_mdm_flashdlm_block8"} == {3133.0}
 
 
 def test_no_results_and_a_missing_row_are_named(folders, tmp_path):

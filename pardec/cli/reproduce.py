@@ -125,6 +125,11 @@ REAL_JACOBI = "runs/smollm2_jacobi_forcing_lora_1500/stages/00-round1"
 # baseline answers 58.5% (the base 65.5%; smollm2_mdm, 550 steps of full fine-tuning: 23.0%) and FreeCache runs at
 # 3.42x the baseline's TPS (docs/results/real_cpu.md). The FlashDLM and COVER tables decode it.
 REAL_MDM = "runs/smollm2_mdm_lora_2000"
+# The same conversion in blocks of 8 (52.2 min on an AMD EPYC): its FlashDLM rows that the 6x goal names, beside
+# the block-2 table. On test FreeCache + guided runs at 6.76x its baseline's TPS, while the baseline falls 29.5
+# points below the base (block 2: 7) and FreeCache alone under 3x (docs/results/real_cpu.md, "The block-8 MDM in
+# the pipeline").
+REAL_MDM_BLOCK8 = "runs/smollm2_mdm_lora_2000_block8"
 REAL_STEPS: tuple[Step, ...] = (
     bench("import", ["smollm2-135m-instruct"], (), module="pardec.cli.import_model"),
     train("smollm2_sft"),
@@ -184,6 +189,14 @@ REAL_STEPS: tuple[Step, ...] = (
                         "--num-validation", "5", "--chunk-dir", f"{REAL_CHUNKS}/cpu_cover",
                         "--chunk-size", "10", "--threads", "2", "--out", f"{REAL}/cpu_cover"],
           (SMOLLM2, REAL_MDM), module="pardec.benchmarks.cover"),
+    train("smollm2_mdm_lora_2000_block8"),
+    # The goal's rows only (AR, the baseline, FreeCache and FreeCache + guided), in blocks of 8 (the experiment's
+    # recipe.block_size, the decoding block by default), about 26 s per problem (1.5 h on an AMD EPYC).
+    bench("cpu_mdm_flashdlm_block8", ["--base", f"{SMOLLM2}/hf", "--mdm", f"{REAL_MDM_BLOCK8}/hf",
+                                      "--num-samples", "200", "--rows", "ar,lowconf1,fc_refresh,fc_guided_strict",
+                                      "--chunk-dir", f"{REAL_CHUNKS}/cpu_mdm_flashdlm_block8", "--chunk-size", "10",
+                                      "--threads", "2", "--out", f"{REAL}/cpu_mdm_flashdlm_block8"],
+          (SMOLLM2, REAL_MDM_BLOCK8), module="pardec.benchmarks.mdm_flashdlm"),
     # Block-causal (smollm2_mdm) against bidirectional (smollm2_mdm_bidir) attention, chosen on val: the
     # same conversion budget, each decoded in its own block (2 and 32), the LLaDA baseline and Fast-dLLM
     # on the first 15 val problems (about 10 min each).
@@ -195,7 +208,7 @@ REAL_STEPS: tuple[Step, ...] = (
             module="pardec.benchmarks.mdm_flashdlm")
       for short, run in (("block", "runs/smollm2_mdm"), ("bidir", "runs/smollm2_mdm_bidir"))),
     bench("real_summary", [], (SMOLLM2, "runs/smollm2_risd", REAL_IDLM, REAL_REFUSION, REAL_JACOBI, REAL_MDM,
-                               "runs/smollm2_mdm", "runs/smollm2_mdm_bidir")),
+                               REAL_MDM_BLOCK8, "runs/smollm2_mdm", "runs/smollm2_mdm_bidir")),
 )
 
 
