@@ -39,6 +39,14 @@ def test_mdm_flashdlm_real_model_flags(tmp_path):
     assert "template chat" in text and "--rows ar,lowconf1,fc_refresh,guided_shifted" in text  # main(argv)'s command
 
 
+def test_mdm_flashdlm_refuses_an_unknown_row_key_by_name():
+    from pardec.benchmarks.mdm_flashdlm import parse_args, selected_rows
+
+    args = parse_args(["--base", "b", "--mdm", "m", "--block-size", "4", "--rows", "ar,fc_guided,lowconf1"])
+    with pytest.raises(SystemExit, match=r"unknown row key\(s\) fc_guided; known: ar, lowconf1, "):
+        selected_rows(args)
+
+
 def test_mdm_flashdlm_with_cuda_graphs_measures_what_eager_decoding_measures(tmp_path):
     """--cuda-graphs: every row (AR, MDM and guide) over static steps; on CPU they run eagerly, so every
     column but the timings equals the eager run's."""

@@ -15,7 +15,8 @@ fresh1``, ``fresh2``, ...: on new problems instead). The validation problems are
 split (disjoint from train and test).
 
 ``--base``: the AR base the MDM came from, whose AR greedy row comes first (TPS / base AR within
-the run). ``--chunk-dir DIR``: the test rows decoded ``--chunk-size`` problems at a time, every row
+the run). ``--rows``: the test rows to decode, by key (``ROW_KEYS``; all by default); without the
+baseline row (``lowconf1``) the TPS / baseline column is "—". ``--chunk-dir DIR``: the test rows decoded ``--chunk-size`` problems at a time, every row
 on each chunk in turn, each chunk saved in DIR and skipped when the same command runs again (the
 validation sweep runs first each time); the table, of the problems done so far, is rewritten after
 every chunk (``pardec.benchmarks.chunks``); the ``Machine:`` line names the machine(s) that decoded the
@@ -60,6 +61,7 @@ from pardec.inference.evaluate import evaluate
 from pardec.inference.metrics import compute_metrics
 
 SELECT_RULES = ("accuracy", "baselines")
+ROW_KEYS = ("ar", "lowconf1", "threshold", "wino", "saber", "cover", "cover_mask", "cover_no_override")
 AR_LABEL = "AR greedy (base)"
 BASELINE_LABEL = "LLaDA low-confidence, 1 token/step (baseline)"
 REVOCABLE_BASELINES = (
@@ -91,13 +93,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--taus", default="0.7,0.8,0.9", help="COVER tau_draft grid, tuned on the validation split")
     p.add_argument("--select", choices=SELECT_RULES, default="accuracy",
                    help="how tau_draft is chosen on validation (module docstring)")
+    p.add_argument("--rows", default=None, type=row_keys,
+                   help=f"comma-separated test rows to decode ({', '.join(ROW_KEYS)}), or all")
     add_runtime_args(p, threads=1)
     p.add_argument("--chunk-dir", default=None,
                    help="decode the test rows in chunks of problems saved here, resumed when run again "
                         "(pardec.benchmarks.chunks)")
     p.add_argument("--chunk-size", type=int, default=10, help="problems per chunk (with --chunk-dir)")
     p.add_argument("--out", default=str(RESULTS / "cover"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.rows and "ar" in args.rows and not args.base:
+        p.error("--rows ar needs --base (the AR base whose greedy row it is)")
+    return args
+
+
+def row_keys(text: str) -> tuple[str, ...] | None:
+    """``--rows``: the keys named, in the table's order (None for ``all``: every row, the AR one only with
+    ``--base``); an unknown key is an error."""
+    if text == "all":
+        return None
+    keys = [k.strip() for k in text.split(",")]
+    unknown = [k for k in keys if k not in ROW_KEYS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown row key(s) {', '.join(unknown)}; known: {', '.join(ROW_KEYS)}")
+    return tuple(k for k in ROW_KEYS if k in keys)
 
 
 def graphs_setting(args: argparse.Namespace) -> dict:
@@ -113,18 +132,25 @@ def common_settings(args: argparse.Namespace) -> dict:
 
 
 def table_rows(args: argparse.Namespace, tau: float) -> list[tuple[str, dict]]:
-    """(label, decoder config) of every test row, COVER's at the chosen ``tau``; the AR row with ``--base``."""
+    """(label, decoder config) of the test rows ``--rows`` names, COVER's at the chosen ``tau``; the AR row
+    only with ``--base``."""
     common = common_settings(args)
-    ar = [(AR_LABEL, {"name": "ar", "max_new_tokens": args.max_new_tokens, "batch_size": 1, **graphs_setting(args)})]
-    return [(label, decoder if label == AR_LABEL else {**decoder, **common}) for label, decoder in [
-        *(ar if args.base else []),
-        (BASELINE_LABEL, {"name": "mdm_lowconf"}),
-        ("Fast-dLLM threshold 0.9 (prefix cache)", {"name": "mdm_threshold", "threshold": 0.9}),
-        *REVOCABLE_BASELINES,
-        (f"COVER tau={tau}", {"name": "cover", "draft_threshold": tau}),
-        (f"COVER tau={tau}, seeds fed masked (paper)", {"name": "cover", "draft_threshold": tau, "seed_input": "mask"}),
-        (f"COVER tau={tau} without override", {"name": "cover", "draft_threshold": tau, "override": False}),
-    ]]
+    ar = {"name": "ar", "max_new_tokens": args.max_new_tokens, "batch_size": 1, **graphs_setting(args)}
+    (wino_label, wino), (saber_label, saber) = REVOCABLE_BASELINES
+    every = {
+        "ar": (AR_LABEL, ar),
+        "lowconf1": (BASELINE_LABEL, {"name": "mdm_lowconf"}),
+        "threshold": ("Fast-dLLM threshold 0.9 (prefix cache)", {"name": "mdm_threshold", "threshold": 0.9}),
+        "wino": (wino_label, wino),
+        "saber": (saber_label, saber),
+        "cover": (f"COVER tau={tau}", {"name": "cover", "draft_threshold": tau}),
+        "cover_mask": (f"COVER tau={tau}, seeds fed masked (paper)",
+                       {"name": "cover", "draft_threshold": tau, "seed_input": "mask"}),
+        "cover_no_override": (f"COVER tau={tau} without override",
+                              {"name": "cover", "draft_threshold": tau, "override": False}),
+    }
+    keys = args.rows or [k for k in ROW_KEYS if k != "ar" or args.base]
+    return [(every[k][0], every[k][1] if k == "ar" else {**every[k][1], **common}) for k in keys]
 
 
 def chunk_fingerprint(args: argparse.Namespace, rows: list[tuple[str, dict]]) -> dict:
@@ -169,7 +195,7 @@ def table_md(table: list[dict]) -> str:
         ar = f" {or_dash(r.get('tps_vs_base_ar'), '.2f')}{'x' if r.get('tps_vs_base_ar') is not None else ''} |" \
             if with_ar else ""
         lines.append(f"| {r['decoder']} | {r['accuracy']:.1%} |{same} {r['steps_per_sample']:.2f} | {r['tpf']:.2f} | "
-                     f"{r['tps']:.1f} | {r['tps_ratio']:.2f}x |{ar} {or_dash(r['revisions_per_sample'], '.2f')} | "
+                     f"{r['tps']:.1f} | {or_dash(r['tps_ratio'], '.2f', 'x')} |{ar} {or_dash(r['revisions_per_sample'], '.2f')} | "
                      f"{or_dash(r['flip_flops_per_sample'], '.2f')} | {or_dash(ratio, '.1%')} |")
     return "\n".join(lines)
 
@@ -222,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
                  for label, decoder in rows]
         by_label = {r["decoder"]: r for r in table}
         for r in table:
-            r["tps_ratio"] = r["tps"] / by_label[BASELINE_LABEL]["tps"]
+            r["tps_ratio"] = r["tps"] / by_label[BASELINE_LABEL]["tps"] if BASELINE_LABEL in by_label else None
             r["tps_vs_base_ar"] = r["tps"] / by_label[AR_LABEL]["tps"] if AR_LABEL in by_label else None
             r["identical_to_base_ar"] = (identical(records[r["decoder"]], records[AR_LABEL])
                                         if AR_LABEL in records else None)

@@ -132,11 +132,14 @@ def table_md(table: list[dict]) -> str:
 
 
 def selected_rows(args) -> list[tuple[str, str, str, dict | None]]:
-    """The rows ``--rows`` names (all by default), as :func:`rows_config` gives them."""
+    """The rows ``--rows`` names (all by default), as :func:`rows_config` gives them; an unknown key is an error."""
     rows = rows_config(args)
     if args.rows == "all":
         return rows
     keys = set(args.rows.split(","))
+    unknown = sorted(keys - {r[0] for r in rows})
+    if unknown:
+        raise SystemExit(f"--rows: unknown row key(s) {', '.join(unknown)}; known: {', '.join(r[0] for r in rows)}")
     return [r for r in rows if r[0] in keys]
 
 
