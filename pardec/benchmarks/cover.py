@@ -14,16 +14,16 @@ steps at accuracy no lower" asks about). Then every row runs on the held-out tes
 fresh1``, ``fresh2``, ...: on new problems instead). The validation problems are the generator's ``val``
 split (disjoint from train and test).
 
-``--base``: the AR base the MDM came from, whose AR greedy row comes first (TPS / base AR within
-the run). ``--rows``: the test rows to decode, by key (``ROW_KEYS``; all by default); without the
-baseline row (``lowconf1``) the TPS / baseline column is "—". ``--chunk-dir DIR``: the test rows decoded ``--chunk-size`` problems at a time, every row
-on each chunk in turn, each chunk saved in DIR and skipped when the same command runs again (the
-validation sweep runs first each time); the table, of the problems done so far, is rewritten after
-every chunk (``pardec.benchmarks.chunks``); the ``Machine:`` line names the machine(s) that decoded the
-chunks, and the validation section (decoded by the process that writes the table) names its own, also
-under ``validation_machine`` in the JSON. ``--cuda-graphs``: every row (validation included) decodes
-with ``cuda_graphs=true`` (the MDM decoders' static steps, COVER's static override forwards; on a GPU
-each captured as CUDA graphs before a problem is timed).
+``--base``: the AR base the MDM came from, whose AR greedy row comes first (TPS / base AR within the
+run). ``--rows``: the test rows to decode, by key (``ROW_KEYS``; all by default); without the baseline
+row (``lowconf1``) the TPS / baseline column is "—". ``--chunk-dir DIR``: the test rows decoded
+``--chunk-size`` problems at a time, every row on each chunk in turn, each chunk saved in DIR and
+skipped when the same command runs again (the validation sweep runs first each time); the table, of the
+problems done so far, is rewritten after every chunk (``pardec.benchmarks.chunks``); the ``Machine:``
+line names the machine(s) that decoded the chunks, and the validation section (decoded by the process
+that writes the table) names its own, also under ``validation_machine`` in the JSON. ``--cuda-graphs``:
+every row (validation included) decodes with ``cuda_graphs=true`` (the MDM decoders' static steps,
+COVER's static override forwards; on a GPU each captured as CUDA graphs before a problem is timed).
 
 Columns: accuracy (exact ``#### n``), steps per sample (= forwards), TPF (committed tokens /
 forwards), TPS, TPS / baseline and (with ``--base``) = base AR greedy (fraction of problems whose output
@@ -195,8 +195,9 @@ def table_md(table: list[dict]) -> str:
         ar = f" {or_dash(r.get('tps_vs_base_ar'), '.2f')}{'x' if r.get('tps_vs_base_ar') is not None else ''} |" \
             if with_ar else ""
         lines.append(f"| {r['decoder']} | {r['accuracy']:.1%} |{same} {r['steps_per_sample']:.2f} | {r['tpf']:.2f} | "
-                     f"{r['tps']:.1f} | {or_dash(r['tps_ratio'], '.2f', 'x')} |{ar} {or_dash(r['revisions_per_sample'], '.2f')} | "
-                     f"{or_dash(r['flip_flops_per_sample'], '.2f')} | {or_dash(ratio, '.1%')} |")
+                     f"{r['tps']:.1f} | {or_dash(r['tps_ratio'], '.2f', 'x')} |{ar} "
+                     f"{or_dash(r['revisions_per_sample'], '.2f')} | {or_dash(r['flip_flops_per_sample'], '.2f')} | "
+                     f"{or_dash(ratio, '.1%')} |")
     return "\n".join(lines)
 
 
