@@ -145,7 +145,7 @@ def test_chunk_dir_moves_the_mdm_tables_chunks_and_is_for_real_only(pipeline, mo
     chunked = [s for s in reproduce.REAL_STEPS if "--chunk-dir" in s.command]
     assert {s.name: reproduce.chunk_dir_of(s) for s in chunked} == {
         name: f"{reproduce.REAL_CHUNKS}/{name}"
-        for name in ("cpu_mdm_flashdlm", "cpu_cover", "cpu_mdm_flashdlm_block8")}
+        for name in ("cpu_mdm_flashdlm", "cpu_cover", "cpu_mdm_flashdlm_block8", "cpu_cover_block8")}
     for step in reproduce.REAL_STEPS:
         moved = reproduce.with_chunk_root(step, "elsewhere/chunks")
         if step in chunked:
@@ -162,6 +162,24 @@ def test_chunk_dir_moves_the_mdm_tables_chunks_and_is_for_real_only(pipeline, mo
     assert reproduce.REAL_CHUNKS not in out
     with pytest.raises(SystemExit, match="--chunk-dir is for --real"):
         reproduce.main(["--chunk-dir", "elsewhere/chunks"])
+
+
+def test_chunk_steps_moves_only_the_named_steps_chunks(pipeline, monkeypatch, capsys):
+    """--chunk-steps: --chunk-dir moves only the named steps' chunks (a machine that re-builds the block-8
+    conversion's committed bytes but not the block-2 one's); a step that decodes no chunks, or the option
+    without --chunk-dir, is refused by name."""
+    monkeypatch.setattr(reproduce, "inputs_digest", lambda step: "x")  # no DONE files in tmp_path
+    reproduce.main(["--real", "--chunk-dir", "elsewhere", "--chunk-steps", "cpu_cover", "cpu_mdm_flashdlm",
+                    "--dry-run"])
+    lines = {line.split()[1]: line for line in capsys.readouterr().out.splitlines()}
+    assert "--chunk-dir elsewhere/cpu_cover " in lines["cpu_cover"]
+    assert "--chunk-dir elsewhere/cpu_mdm_flashdlm " in lines["cpu_mdm_flashdlm"]
+    for name in ("cpu_mdm_flashdlm_block8", "cpu_cover_block8"):
+        assert f"--chunk-dir {reproduce.REAL_CHUNKS}/{name} " in lines[name]
+    with pytest.raises(SystemExit, match=r"--chunk-steps: \['cpu_risd'\] decode no chunks"):
+        reproduce.main(["--real", "--chunk-dir", "elsewhere", "--chunk-steps", "cpu_risd", "cpu_cover"])
+    with pytest.raises(SystemExit, match="give --chunk-dir too"):
+        reproduce.main(["--real", "--chunk-steps", "cpu_cover"])
 
 
 def test_a_refused_chunk_says_how_to_decode_anew(pipeline, monkeypatch):
@@ -182,7 +200,8 @@ def test_a_refused_chunk_says_how_to_decode_anew(pipeline, monkeypatch):
         reproduce.main(["--real"])
     message = str(refused.value)
     assert "refused a chunk in committed" in message and "aaa" not in message
-    assert f"--chunk-dir {reproduce.LOCAL_CHUNKS}" in message and "re-run the same command to resume" not in message
+    assert f"--chunk-dir {reproduce.LOCAL_CHUNKS} --chunk-steps cpu_cover" in message
+    assert "re-run the same command to resume" not in message
     assert chunks.REFUSED in (pipeline / "runs/reproduce_real/logs/cpu_cover.log").read_text()
     with pytest.raises(SystemExit, match="--chunk-dir another directory"):
         reproduce.main(["--real", "--chunk-dir", reproduce.LOCAL_CHUNKS])

@@ -1,5 +1,6 @@
 # bash scripts/reproduce.sh [--real]
-#   (or: .venv/bin/python -m pardec.cli.reproduce [--real [--chunk-dir DIR]] [--only NAME ...] [--dry-run])
+#   (or: .venv/bin/python -m pardec.cli.reproduce [--real [--chunk-dir DIR [--chunk-steps NAME ...]]] [--only NAME ...]
+#        [--dry-run])
 """Reproduce the summary table (docs/results/summary.md) on one machine: the embedded default base, each conversion
 (I-DLM, R-ISD, Jacobi Forcing, ReFusion, MDM), each method's benchmark and the summary table.
 
@@ -11,7 +12,9 @@ else runs beside a step. Its MDM tables (FlashDLM, COVER) decode in chunks kept 
 ``benchmarks/results/real/chunks/`` (committed; :mod:`pardec.benchmarks.chunks`), which a re-built
 checkpoint of the same bytes goes on from; a base re-built on another kind of CPU has other bytes, the
 benchmark refuses those chunks, and ``--chunk-dir DIR`` (e.g. ``runs/reproduce_real/chunks``) decodes
-the tables anew with chunks kept under ``DIR``, leaving the committed ones as they are.
+the tables anew with chunks kept under ``DIR``, leaving the committed ones as they are; ``--chunk-steps``
+names the steps whose chunks move (all the chunked steps by default), so that a machine that re-builds one
+conversion's committed bytes but not another's goes on from the first and decodes the second anew.
 
 Steps run in order, each as its own process, with its output in ``runs/reproduce/logs/<step>.log``,
 single-threaded (``OMP_NUM_THREADS=1``, benchmarks ``--threads 1``): on the 2-core machine torch's
@@ -197,6 +200,16 @@ REAL_STEPS: tuple[Step, ...] = (
                                       "--chunk-dir", f"{REAL_CHUNKS}/cpu_mdm_flashdlm_block8", "--chunk-size", "10",
                                       "--threads", "2", "--out", f"{REAL}/cpu_mdm_flashdlm_block8"],
           (SMOLLM2, REAL_MDM_BLOCK8), module="pardec.benchmarks.mdm_flashdlm"),
+    # COVER's goal rows in blocks of 8 (AR, WINO, Saber, COVER, COVER without override; the baseline is in the
+    # table above, on the same problems): tau_draft the fewest-steps one at least as accurate on 20 val problems
+    # as the better of WINO and Saber (--select baselines: about 8 min, again at each restart), then about
+    # 24 s per test problem (1.3 h on an AMD EPYC).
+    bench("cpu_cover_block8", ["--mdm", f"{REAL_MDM_BLOCK8}/hf", "--base", f"{SMOLLM2}/hf", "--num-samples", "200",
+                               "--num-validation", "20", "--select", "baselines",
+                               "--rows", "ar,wino,saber,cover,cover_no_override",
+                               "--chunk-dir", f"{REAL_CHUNKS}/cpu_cover_block8", "--chunk-size", "10",
+                               "--threads", "2", "--out", f"{REAL}/cpu_cover_block8"],
+          (SMOLLM2, REAL_MDM_BLOCK8), module="pardec.benchmarks.cover"),
     # Block-causal (smollm2_mdm) against bidirectional (smollm2_mdm_bidir) attention, chosen on val: the
     # same conversion budget, each decoded in its own block (2 and 32), the LLaDA baseline and Fast-dLLM
     # on the first 15 val problems (about 10 min each).
@@ -242,7 +255,8 @@ def failure_message(step: Step, code: int, seconds: float, log_path: Path, attem
             f"other bytes than the one the committed chunks name (docs/results/real_cpu.md, 'The base on other "
             f"kinds of CPU'). "
             f"To decode the table anew on this machine's checkpoints, keeping those chunks, run the same command "
-            f"with --chunk-dir {other} (hours on 2 cores), or delete {chunk_dir} to start over there")
+            f"with --chunk-dir {other} --chunk-steps {step.name} (and any other step refused so; hours on 2 cores), "
+            f"or delete {chunk_dir} to start over there")
 
 
 def inputs_digest(step: Step) -> str:
@@ -363,9 +377,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk-dir", metavar="DIR",
                         help=f"with --real: keep the MDM tables' chunks under DIR instead of {REAL_CHUNKS} (the "
                              f"committed ones), e.g. {LOCAL_CHUNKS} where those were made with other checkpoints")
+    parser.add_argument("--chunk-steps", nargs="+", metavar="STEP",
+                        help="with --chunk-dir: move only these steps' chunks (default: every chunked step's)")
     args = parser.parse_args(argv)
     if args.chunk_dir and not args.real:
         raise SystemExit("--chunk-dir is for --real (the embedded pipeline decodes no chunks)")
+    if args.chunk_steps and not args.chunk_dir:
+        raise SystemExit("--chunk-steps names the steps whose chunks --chunk-dir moves: give --chunk-dir too")
     all_steps, state, conversions = ((REAL_STEPS, REAL_STATE, REAL_CONVERSIONS) if args.real
                                      else (STEPS, STATE, CONVERSIONS))
     threads = args.threads or (2 if args.real else 1)
@@ -373,7 +391,12 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(args.only or ()) - set(names))
     if unknown:
         raise SystemExit(f"unknown step(s) {unknown}; steps: {names}")
-    steps = [with_chunk_root(s, args.chunk_dir) if args.chunk_dir else s
+    chunked = [s.name for s in all_steps if chunk_dir_of(s)]
+    not_chunked = sorted(set(args.chunk_steps or ()) - set(chunked))
+    if not_chunked:
+        raise SystemExit(f"--chunk-steps: {not_chunked} decode no chunks; chunked steps: {chunked}")
+    moved = set(args.chunk_steps or chunked) if args.chunk_dir else set()
+    steps = [with_chunk_root(s, args.chunk_dir) if s.name in moved else s
              for s in all_steps if not args.only or s.name in args.only]
     (state / "logs").mkdir(parents=True, exist_ok=True)
     if args.dry_run:
