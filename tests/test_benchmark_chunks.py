@@ -251,7 +251,7 @@ def step_args(step_name: str) -> list[str]:
 # recipe.block_size of experiment smollm2_mdm_lora_2000 (the FlashDLM and COVER tables'): the decoding block both
 # commands default to
 MDM_BLOCK = 2
-MDM_BLOCK8 = 8  # that of smollm2_mdm_lora_2000_block8 (the block-8 FlashDLM table's)
+MDM_BLOCK8 = 8  # that of smollm2_mdm_lora_2000_block8 (the block-8 FlashDLM and COVER tables')
 
 
 def test_the_reproduce_commands_still_make_the_committed_chunks_fingerprints():
@@ -265,9 +265,11 @@ def test_the_reproduce_commands_still_make_the_committed_chunks_fingerprints():
         assert mdm_flashdlm.chunk_fingerprint(args, mdm_flashdlm.selected_rows(args)) == committed_fingerprint(
             step_name)
 
-    args = cover.parse_args(step_args("cpu_cover"))
-    args.block_size = MDM_BLOCK
-    validation = json.loads((REAL_CHUNKS.parent / "cpu_cover.json").read_text())["validation"]
-    tau = cover.choose_tau(validation, args.select)["tau_draft"]  # the committed run's choice on val
-    fingerprint = json.loads(json.dumps(cover.chunk_fingerprint(args, cover.table_rows(args, tau))))  # tuples as lists
-    assert fingerprint == committed_fingerprint("cpu_cover")
+    for step_name, block in (("cpu_cover", MDM_BLOCK), ("cpu_cover_block8", MDM_BLOCK8)):
+        args = cover.parse_args(step_args(step_name))
+        args.block_size = block
+        committed = json.loads((REAL_CHUNKS.parent / f"{step_name}.json").read_text())
+        bar = max((r["accuracy"] for r in committed["validation_baselines"]), default=None)  # --select baselines
+        tau = cover.choose_tau(committed["validation"], args.select, bar)["tau_draft"]  # the committed run's choice
+        rows = cover.table_rows(args, tau)
+        assert json.loads(json.dumps(cover.chunk_fingerprint(args, rows))) == committed_fingerprint(step_name)
