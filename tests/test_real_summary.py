@@ -62,7 +62,8 @@ def test_cpu_conversion_and_benchmark_machines_are_named_below_the_table(folders
     assert real_summary.cpu_machines(folders) == (
         "CPU conversion wall times were measured on: not recorded: `smollm2_risd`; "
         f"{epyc}: `smollm2_sft`, `smollm2_refusion_lora_3000`. CPU benchmarks (their TPS) were run on: "
-        "not recorded: `cpu_risd`, `cpu_idlm`, `cpu_mdm_flashdlm`, `cpu_cover`, `cpu_mdm_flashdlm_block8`; "
+        "not recorded: `cpu_risd`, `cpu_idlm`, `cpu_mdm_flashdlm`, `cpu_cover`, `cpu_mdm_flashdlm_block8`, "
+        "`cpu_cover_block8`; "
         f"Xeon, 2 cores: `cpu_jacobi_forcing`; {epyc}: `cpu_refusion`.")
 
 
@@ -77,6 +78,7 @@ def test_a_claim_below_100_percent_is_not_verified(folders, tmp_path):
     assert [r.source for r in missing] == ["cpu_risd", "cpu_risd", "cpu_idlm", "cpu_jacobi_forcing",
                                            "cpu_jacobi_forcing", "cpu_refusion", *["cpu_mdm_flashdlm"] * 5,
                                            *["cpu_cover"] * 3, *["cpu_mdm_flashdlm_block8"] * 3,
+                                           *["cpu_cover_block8"] * 3,
                                            "gpu_idlm_isd_graphs_h200",
                                            "gpu_idlm_isd_graphs_h200", "gpu_refusion_graphs_h200",
                                            *["gpu_mdm_flashdlm_graphs_h200"] * 5,
@@ -237,6 +239,28 @@ def test_cover_rows_take_tps_over_base_ar_when_the_table_has_an_ar_row(folders):
     ratios = {r["short"]: r["tps_ratio"] for r in table}
     assert ratios == {"WINO, block32": None, "Saber, block32": None, "COVER, block32": None,
                       "WINO, bidir": 0.5, "Saber, bidir": 1.5, "COVER, bidir": 2.5}
+
+
+def test_the_block8_cover_table_gives_its_goal_rows_and_the_chosen_tau(folders):
+    """The block-8 COVER table (AR, WINO, Saber, COVER at the tau chosen on val and without override): WINO,
+    Saber and the chosen COVER row are in the summary, marked block 8, with TPS / base AR and the block-8
+    conversion's wall time; the ablation is not a row."""
+    labels = ["AR greedy (base)", "WINO 0.6 / 0.9", "Saber n=2 / mu=8", "COVER tau=0.9",
+              "COVER tau=0.9 without override"]
+    (folders / "cpu_cover_block8.json").write_text(json.dumps({"test": [
+        {"decoder": d, "accuracy": 0.5, "tpf": 2.0, "num_samples": 200, "tps": 5.0, "tps_vs_base_ar": 0.1 * k}
+        for k, d in enumerate(labels)]}))
+    conversion = {"smollm2_mdm_lora_2000_block8": {"wall_seconds": 3133.0}}
+    (folders / "cpu_conversions.json").write_text(json.dumps(conversion))
+    table, missing = real_summary.build(folders, real_summary.conversion_seconds(folders))
+    rows = [r for r in table if r["source"] == "cpu_cover_block8"]
+    assert [(r["decoder"], r["short"]) for r in rows] == [
+        ("WINO 0.6 / 0.9", "WINO, block 8"), ("Saber n=2 / mu=8", "Saber, block 8"),
+        ("COVER tau=0.9", "COVER, block 8")]
+    assert [r["tps_ratio"] for r in rows] == pytest.approx([0.1, 0.2, 0.3])
+    assert {(r["checkpoint"], r["conversion_seconds"]) for r in rows} == {
+        (real_summary.MDM_BLOCK8_CPU_CHECKPOINT, 3133.0)}
+    assert "cpu_cover_block8" not in {r.source for r in missing}
 
 
 def test_gpu_script_keeps_the_first_sft_base_and_replaces_a_conversion(tmp_path):

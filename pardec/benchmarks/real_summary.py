@@ -75,6 +75,7 @@ JACOBI_CPU = "python -m pardec.cli.reproduce --real --only smollm2_jacobi_forcin
 MDM_CPU = "python -m pardec.cli.reproduce --real --only smollm2_mdm_lora_2000 cpu_mdm_flashdlm"
 COVER_CPU = "python -m pardec.cli.reproduce --real --only smollm2_mdm_lora_2000 cpu_cover"
 MDM_BLOCK8_CPU = "python -m pardec.cli.reproduce --real --only smollm2_mdm_lora_2000_block8 cpu_mdm_flashdlm_block8"
+COVER_BLOCK8_CPU = "python -m pardec.cli.reproduce --real --only smollm2_mdm_lora_2000_block8 cpu_cover_block8"
 H200 = "H200"
 GPU_RUN_MDM = ("PROBLEMS=20 IDLM=0 MDM=1 MDM_TABLES=flashdlm DECODE_MODES=graphs EVAL_SPLITS= "
                "bash scripts/real_model_gpu.sh (docs/results/real_gpu.md)")
@@ -151,10 +152,14 @@ ROWS: tuple[RealRow, ...] = (
     *(RealRow("MDM", MDM_CPU_CHECKPOINT, CPU, "cpu_cover", "cover", label, short, "smollm2_mdm_lora_2000", None,
               COVER_CPU)
       for label, short in COVER_ROWS),
-    # The same conversion in blocks of 8 (REAL_MDM_BLOCK8), decoded in blocks of 8: the 6x goal's rows only.
+    # The same conversion in blocks of 8 (REAL_MDM_BLOCK8), decoded in blocks of 8: the 6x goal's rows only,
+    # and COVER's table (its goal's rows).
     *(RealRow("MDM", MDM_BLOCK8_CPU_CHECKPOINT, CPU, "cpu_mdm_flashdlm_block8", "mdm_flashdlm", label,
               f"{short}, block 8", "smollm2_mdm_lora_2000_block8", lossless, MDM_BLOCK8_CPU)
       for label, short, lossless in MDM_FLASHDLM_ROWS if short in MDM_BLOCK8_ROWS),
+    *(RealRow("MDM", MDM_BLOCK8_CPU_CHECKPOINT, CPU, "cpu_cover_block8", "cover", label, f"{short}, block 8",
+              "smollm2_mdm_lora_2000_block8", None, COVER_BLOCK8_CPU)
+      for label, short in COVER_ROWS),
     # The two GPU runs fine-tuned their own SFT base (same recipe, another machine): each row names its run's.
     RealRow("AR", "SmolLM2 SFT (GPU, H100 run)", H100, "gpu_risd_h100", ISD, "AR greedy (base)", "AR greedy",
             "smollm2_sft_gpu@h100", "base", GPU_RUN),
@@ -288,7 +293,7 @@ def mdm_attention_choice(results_dir: Path) -> str | None:
              f"Fast-dLLM {scores[k][1]:.1%}" for k in MDM_ATTENTIONS]
     tested = ("the CPU MDM rows above are of its block-causal LoRA successor (`smollm2_mdm_lora_2000`) and of "
               "that conversion in blocks of 8 (`smollm2_mdm_lora_2000_block8`, not chosen on val: the rows of the "
-              "FreeCache + guided goal)") if chosen == "block" else (
+              "FreeCache + guided and COVER goals)") if chosen == "block" else (
         "the MDM rows above are still of block-causal conversions (the chosen one's test tables are not run yet)")
     return (f"MDM attention, chosen on {scores['block'][2]} val problems (`{MDM_VAL_COMMAND}`): "
             f"{'; '.join(parts)}. Chosen: **{MDM_ATTENTIONS[chosen][0]}**; {tested}.")
