@@ -202,8 +202,8 @@ REAL_STEPS: tuple[Step, ...] = (
           (SMOLLM2, REAL_MDM_BLOCK8), module="pardec.benchmarks.mdm_flashdlm"),
     # COVER's goal rows in blocks of 8 (AR, WINO, Saber, COVER, COVER without override; the baseline is in the
     # table above, on the same problems): tau_draft the fewest-steps one at least as accurate on 20 val problems
-    # as the better of WINO and Saber (--select baselines: about 8 min, again at each restart), then about
-    # 24 s per test problem (1.3 h on an AMD EPYC).
+    # as the better of WINO and Saber (--select baselines: 11 min, again at each restart), then 22 s per test
+    # problem (83 min in all on an AMD EPYC family 25 model 17).
     bench("cpu_cover_block8", ["--mdm", f"{REAL_MDM_BLOCK8}/hf", "--base", f"{SMOLLM2}/hf", "--num-samples", "200",
                                "--num-validation", "20", "--select", "baselines",
                                "--rows", "ar,wino,saber,cover,cover_no_override",
