@@ -8,6 +8,7 @@ import json
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,16 @@ def add_bound_args(p: argparse.ArgumentParser, widest: str) -> None:
     p.add_argument("--no-bound", action="store_true", help=f"skip the TPF · t(1)/t({widest}) bound")
     p.add_argument("--bound-cache", type=int, default=128, help="KV cache length of the bound's forwards")
     p.add_argument("--bound-repeats", type=int, default=30)
+
+
+def named_keys(text: str, known: Sequence[str]) -> tuple[str, ...]:
+    """The comma-separated keys of ``text`` (a benchmark's ``--rows``), in ``known``'s order; a key not in
+    ``known`` is a ValueError naming it and the known ones."""
+    keys = {k.strip() for k in text.split(",")}
+    unknown = sorted(keys - set(known))
+    if unknown:
+        raise ValueError(f"unknown row key(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    return tuple(k for k in known if k in keys)
 
 
 def or_dash(value: Any, spec: str, suffix: str = "") -> str:

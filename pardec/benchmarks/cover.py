@@ -48,6 +48,7 @@ from pardec.benchmarks.common import (
     identical,
     invoked_command,
     machine_name,
+    named_keys,
     or_dash,
     split_label,
     split_rows,
@@ -112,11 +113,10 @@ def row_keys(text: str) -> tuple[str, ...] | None:
     ``--base``); an unknown key is an error."""
     if text == "all":
         return None
-    keys = [k.strip() for k in text.split(",")]
-    unknown = [k for k in keys if k not in ROW_KEYS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown row key(s) {', '.join(unknown)}; known: {', '.join(ROW_KEYS)}")
-    return tuple(k for k in ROW_KEYS if k in keys)
+    try:
+        return named_keys(text, ROW_KEYS)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def graphs_setting(args: argparse.Namespace) -> dict:

@@ -40,6 +40,7 @@ from pardec.benchmarks.common import (
     add_split_arg,
     identical,
     invoked_command,
+    named_keys,
     or_dash,
     split_label,
     split_rows,
@@ -136,10 +137,10 @@ def selected_rows(args) -> list[tuple[str, str, str, dict | None]]:
     rows = rows_config(args)
     if args.rows == "all":
         return rows
-    keys = set(args.rows.split(","))
-    unknown = sorted(keys - {r[0] for r in rows})
-    if unknown:
-        raise SystemExit(f"--rows: unknown row key(s) {', '.join(unknown)}; known: {', '.join(r[0] for r in rows)}")
+    try:
+        keys = named_keys(args.rows, [r[0] for r in rows])
+    except ValueError as error:
+        raise SystemExit(f"--rows: {error}") from None
     return [r for r in rows if r[0] in keys]
 
 
