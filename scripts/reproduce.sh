@@ -3,7 +3,7 @@
 # Sets up .venv (as the quick start does), then runs the embedded default's conversions, their CPU
 # benchmarks and the summary (docs/results/summary.md) in order (pardec/cli/reproduce.py); re-running
 # skips finished steps and resumes an interrupted one. --real: the SmolLM2-135M pipeline instead
-# (docs/results/real_cpu.md); --chunk-dir DIR keeps its MDM tables' chunks under DIR, not the committed ones
+# (docs/results/real_cpu.md); --chunk-dir DIR keeps its chunked tables' chunks under DIR, not the committed ones
 # (--chunk-steps: only those steps' chunks).
 set -euo pipefail
 cd "$(dirname "$0")/.."

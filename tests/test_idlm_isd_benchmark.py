@@ -85,3 +85,82 @@ def test_num_val_needs_an_idlm_checkpoint_and_the_test_split_and_test_strides_ne
         idlm_isd.main(["--base", str(tmp_path), "--idlm", str(tmp_path), "--num-val", "2", "--split", "val"])
     with pytest.raises(SystemExit, match="--test-strides adds test rows beside the N chosen on val: give --num-val"):
         idlm_isd.main(["--base", str(tmp_path), "--idlm", str(tmp_path), "--test-strides", "4"])
+
+
+def risd_export(tmp_path):
+    base = save_chat_checkpoint(tmp_path / "base")
+    result = run_in_process([
+        f"output_dir={tmp_path / 'run'}", "recipe=idlm_lora", "model=hf", f"model.path={base}",
+        "data.pack_length=512", "trainer.max_steps=2", "recipe.lora_rank=4", "recipe.lora_alpha=8",
+    ])
+    return base, result.export_dir
+
+
+def test_risd_in_chunks_equals_one_run_and_resumes(tmp_path, monkeypatch):
+    """AR and R-ISD pooled from chunks of one problem equal one run's, time aside (alpha included: it is
+    pooled from each record's introspection); a run stopped after its first chunk leaves that chunk's table
+    saying so, and a rerun decodes only the rest."""
+    base, risd = risd_export(tmp_path)
+    args = ["--base", str(base), "--risd", str(risd), "--num-samples", "3", "--max-new-tokens", "8",
+            "--threads", "1", "--split", "val", "--no-bound"]
+    idlm_isd.main([*args, "--out", str(tmp_path / "one")])
+
+    evaluate, calls = idlm_isd.evaluate, []
+
+    def stop_on_second_chunk(model, tok, rows, decoder, **kwargs):
+        calls.append(len(rows))
+        if len(calls) > 4:  # 2 warm-ups and 2 rows of the first chunk, then the second chunk's first row
+            raise KeyboardInterrupt
+        return evaluate(model, tok, rows, decoder, **kwargs)
+
+    monkeypatch.setattr(idlm_isd, "evaluate", stop_on_second_chunk)
+    chunked = [*args, "--chunk-dir", str(tmp_path / "chunks"), "--chunk-size", "1", "--out", str(tmp_path / "c")]
+    with pytest.raises(KeyboardInterrupt):
+        idlm_isd.main(chunked)
+    assert "1 of 3 problems done" in (tmp_path / "c.md").read_text()
+    assert [r["num_samples"] for r in json.loads((tmp_path / "c.json").read_text())] == [1, 1]
+
+    calls.clear()
+    monkeypatch.setattr(idlm_isd, "evaluate", lambda *a, **k: calls.append(len(a[2])) or evaluate(*a, **k))
+    idlm_isd.main(chunked)
+    assert calls == [1, 1, 1, 1, 1, 1]  # the rows' warm-ups on the second chunk, then two chunks of two rows
+    one, pooled = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("one", "c"))
+    assert "problems done" not in (tmp_path / "c.md").read_text()
+    timeless = ("tps", "tps_ratio")
+    assert [{k: v for k, v in r.items() if k not in timeless} for r in pooled] == \
+           [{k: v for k, v in r.items() if k not in timeless} for r in one]
+    assert pooled[1]["identical_to_base"] == 1.0 and pooled[1]["alpha"] > 0
+    assert sorted(p.name for p in (tmp_path / "chunks").iterdir()) == [
+        "0000-0001.json", "0001-0002.json", "0002-0003.json"]
+
+
+def test_the_val_choice_is_kept_beside_the_chunks_and_read_on_restart(tmp_path, monkeypatch):
+    base = save_chat_checkpoint(tmp_path / "base")
+    result = run_in_process([
+        f"output_dir={tmp_path / 'run'}", "recipe=idlm", "model=hf", f"model.path={base}", "data.pack_length=512",
+        "recipe.stages=[{name: s2, max_steps: 1, overrides: {stride: 2}}]",
+    ])
+    args = ["--base", str(base), "--idlm", str(result.export_dir), "--num-samples", "2", "--num-val", "2",
+            "--strides", "2", "3", "--no-sample", "--max-new-tokens", "8", "--threads", "1", "--no-bound",
+            "--chunk-dir", str(tmp_path / "chunks"), "--out", str(tmp_path / "t")]
+    idlm_isd.main(args)
+    first = json.loads((tmp_path / "t.json").read_text())
+    assert (tmp_path / "chunks" / idlm_isd.VALIDATION_FILE).is_file()
+
+    def no_sweep(*a, **k):
+        raise AssertionError("the validation sweep ran again")
+
+    monkeypatch.setattr(idlm_isd, "measure", no_sweep)
+    idlm_isd.main(args)
+    again = json.loads((tmp_path / "t.json").read_text())
+    assert (again["chosen_stride"], again["validation"]) == (first["chosen_stride"], first["validation"])
+    assert f"read from {tmp_path / 'chunks' / idlm_isd.VALIDATION_FILE}" in (tmp_path / "t.md").read_text()
+    # Another sweep's settings: the kept choice is refused by name, not reused.
+    with pytest.raises(ValueError, match="validation.json was made by another setting"):
+        idlm_isd.main([*args[:args.index("--num-val") + 1], "1", *args[args.index("--num-val") + 2:]])
+
+
+def test_chunks_with_sampled_rows_are_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        idlm_isd.parse_args(["--base", str(tmp_path), "--idlm", str(tmp_path), "--chunk-dir", str(tmp_path)])
+    assert idlm_isd.parse_args(["--base", "b", "--risd", "r", "--chunk-dir", "d"]).chunk_dir == "d"

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pardec.benchmarks.chunks import Machine, Records, pooled_machine, read_chunk
+from pardec.benchmarks.chunks import CHUNK_FILES, Machine, Records, pooled_machine, read_chunk
 from pardec.benchmarks.common import RESULTS, invoked_command, machine_name, write_results
 
 REFERENCES = ("base_ar", "baseline")  # the JSON names of the two references
@@ -53,9 +53,9 @@ def reference_of(decoder: dict) -> str | None:
 def load_chunks(chunk_dir: str | Path) -> tuple[list[tuple[str, dict]], list[Records], Machine]:
     """``([(row key, decoder config), ...] in table order, each chunk's records in file order, the
     machine of the chunks)``; every chunk must carry the first chunk's fingerprint."""
-    paths = sorted(Path(chunk_dir).glob("*.json"))
+    paths = sorted(Path(chunk_dir).glob(CHUNK_FILES))
     if not paths:
-        raise FileNotFoundError(f"no chunk files (*.json) in {chunk_dir}")
+        raise FileNotFoundError(f"no chunk files ({CHUNK_FILES}) in {chunk_dir}")
     try:
         fingerprint = json.loads(paths[0].read_text())["fingerprint"]
     except (json.JSONDecodeError, KeyError) as err:

@@ -1,4 +1,5 @@
-"""A long benchmark run in chunks of problems that survives being stopped (used by ``mdm_flashdlm``).
+"""A long benchmark run in chunks of problems that survives being stopped (``mdm_flashdlm``, ``cover``,
+``idlm_isd``).
 
 On two CPU cores the MDM decoders cost 15-25 s per problem, so one table on the 200 test problems
 takes hours. With ``--chunk-dir DIR`` the benchmark decodes its problems ``--chunk-size`` at a
@@ -43,6 +44,8 @@ Machine = dict[str, str | None]  # pardec.benchmarks.common.current_machine(): c
 # What the error for a chunk of another setting says (read_chunk); pardec.cli.reproduce looks for it in a
 # failed step's log to say how to decode anew.
 REFUSED = "was made by another setting"
+# The chunk files of a chunk directory (``<first>-<end>.json``), not what else a run keeps beside them (kept_result).
+CHUNK_FILES = "[0-9]*-[0-9]*.json"
 
 
 def chunk_bounds(num_problems: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -61,6 +64,29 @@ def checkpoint_digest(path: str | Path) -> dict[str, str]:
     return {name: digest["sha256"] for name, digest in compute_checksums(path).items() if name != "README.md"}
 
 
+def with_checkpoints(fingerprint: dict[str, Any], checkpoints: Iterable[str | Path]) -> dict[str, Any]:
+    """``fingerprint`` with the torch version and, for each of ``checkpoints``, :func:`checkpoint_digest`."""
+    return {**fingerprint, "torch": torch.__version__,
+            "checkpoint_sha256": {str(c): checkpoint_digest(c) for c in checkpoints}}
+
+
+def kept_result(path: str | Path, fingerprint: dict[str, Any], compute: Callable[[], Any],
+                checkpoints: Iterable[str | Path] = ()) -> tuple[Any, Machine | None, bool]:
+    """``(result, machine that computed it, whether it was read)`` of something a chunked run computes
+    once before its chunks, e.g. the validation sweep that chooses the test rows: read from ``path`` (a
+    file beside the chunks) when it was saved with the same fingerprint (:func:`with_checkpoints`), else
+    ``compute()``d and saved there atomically, so a restarted run makes the same choice without paying
+    for it again; one saved by another setting is refused as a chunk is (:func:`read_chunk`)."""
+    path, fingerprint = Path(path), with_checkpoints(fingerprint, checkpoints)
+    if path.exists():
+        result, machine = read_chunk(path, fingerprint)
+        return result, machine, True
+    result, machine = compute(), current_machine()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_chunk(path, fingerprint, result, machine)
+    return result, machine, False
+
+
 def run_in_chunks(problems, chunk_size: int, chunk_dir: str | Path, fingerprint: dict[str, Any],
                   run_chunk: Callable[[Any], Records],
                   on_chunk: Callable[[Records, int, Machine], None] | None = None,
@@ -69,10 +95,9 @@ def run_in_chunks(problems, chunk_size: int, chunk_dir: str | Path, fingerprint:
     one chunk at a time, chunks found in ``chunk_dir`` read instead of decoded; records keep their
     problem index (``index``) across chunks. ``on_chunk(records so far, problems done, machine)`` runs
     after each chunk (decoded or read), e.g. to write the table so far, ``machine`` being
-    :func:`pooled_machine` of the chunks so far. The fingerprint gains the torch version and, for each
-    of ``checkpoints``, :func:`checkpoint_digest`."""
-    fingerprint = {**fingerprint, "torch": torch.__version__,
-                   "checkpoint_sha256": {str(c): checkpoint_digest(c) for c in checkpoints}}
+    :func:`pooled_machine` of the chunks so far. The fingerprint gains the torch version and the
+    ``checkpoints``' digests (:func:`with_checkpoints`)."""
+    fingerprint = with_checkpoints(fingerprint, checkpoints)
     chunk_dir = Path(chunk_dir)
     chunk_dir.mkdir(parents=True, exist_ok=True)
     pooled: Records = {}

@@ -23,6 +23,13 @@ costs more, so the highest TPF need not be the fastest); the ``--split`` rows th
 alone, or also at the N of ``--test-strides`` (a goal stated at a fixed N, answered whichever N val
 chooses), and the JSON is ``{chosen_stride, choice_rule, test_strides, validation, test}`` instead of
 the table.
+``--chunk-dir DIR``: decode ``--chunk-size`` problems at a time, every row on each chunk in turn (so a
+drift of the machine's speed reaches a row and its reference alike), each chunk saved in DIR and skipped
+when the same command runs again; the table, of the problems done so far, is rewritten after every chunk
+(``pardec.benchmarks.chunks``), alpha pooled from each record's introspection. With ``--num-val`` the
+sweep and the N it chose are kept beside the chunks (``validation.json``) and read on restart, so a restart
+decodes the same rows (the TPS-based choice could otherwise change). Sampled rows need one decode call
+(their seeds follow the problem's place in it): with ``--idlm``, chunks need ``--no-sample``.
 ``--cuda-graphs`` runs every row, AR included, over a static cache with each step width captured once
 as a CUDA graph (``pardec.inference.decoders.decode_steps``), so that on a GPU TPS follows TPF.
 
@@ -39,9 +46,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
+from pardec.benchmarks.chunks import decode_all, kept_result, progress_note
 from pardec.benchmarks.common import (
     RESULTS,
     add_bound_args,
@@ -50,6 +59,7 @@ from pardec.benchmarks.common import (
     fastest_lossless,
     identical,
     invoked_command,
+    machine_name,
     or_dash,
     split_label,
     split_rows,
@@ -59,8 +69,12 @@ from pardec.benchmarks.common import (
 from pardec.benchmarks.real_model_speed import forward_latencies
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.isd import introspective_ratios, resolve_stride
+from pardec.inference.decoders.registry import build_decoder
 from pardec.inference.evaluate import encode_prompt, evaluate
+from pardec.inference.metrics import compute_metrics
 from pardec.models.loading import mask_token_id
+
+VALIDATION_FILE = "validation.json"  # beside the chunks: the --num-val sweep and the N it chose
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -80,33 +94,99 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-sample", action="store_true", help="greedy ISD rows only")
     add_runtime_args(p)
     add_bound_args(p, "2N-1")
+    p.add_argument("--chunk-dir", default=None,
+                   help="decode in chunks of problems saved here, resumed when run again (pardec.benchmarks.chunks)")
+    p.add_argument("--chunk-size", type=int, default=10, help="problems per chunk (with --chunk-dir)")
     p.add_argument("--out", default=str(RESULTS / "idlm_isd"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.chunk_dir and args.idlm and not args.no_sample:
+        p.error("--chunk-dir needs --no-sample with --idlm: a sampled row seeds each problem by its place in one "
+                "decode call, which chunks would change")
+    return args
 
 
-def alpha(model, tokenizer, records, stride: int, template: str) -> float:
-    mask_id = mask_token_id(model, tokenizer)
-    ratios = []
+def introspection(model, tokenizer, record: dict, stride: int, template: str) -> tuple[float, int]:
+    """(sum, count) of the introspective ratios of one record's drafted tokens at ``stride``
+    (:func:`pardec.inference.decoders.isd.introspective_ratios`; one untimed forward); (0, 0) when it
+    generated fewer than 2 tokens."""
+    if len(record["output_ids"]) < 2:
+        return 0.0, 0
+    prompt = encode_prompt(tokenizer, record["prompt"], template, False, record["index"])
     with torch.no_grad():
-        for r in records:
-            prompt = encode_prompt(tokenizer, r["prompt"], template, False, r["index"])
-            if len(r["output_ids"]) >= 2:
-                ratios.append(introspective_ratios(model, prompt, r["output_ids"], mask_id, stride))
-    return float(torch.cat(ratios).mean()) if ratios else float("nan")
+        ratios = introspective_ratios(model, prompt, record["output_ids"], mask_token_id(model, tokenizer), stride)
+    return float(ratios.double().sum()), ratios.numel()
 
 
-def measure(args, models, eval_rows, rows, latency) -> list[dict]:
-    """One table row per ``(label, model key, decoder config, stride)`` of ``rows`` on ``eval_rows``, in
-    order (the first is the base's AR greedy: the TPS ratios' reference)."""
-    table, own_ar = [], {}
-    warmup = eval_rows.select(range(min(2, len(eval_rows))))
+def alpha(records: list[dict]) -> float:
+    """The introspective acceptance rate over the records' drafted tokens (each record's ``alpha_sum`` and
+    ``alpha_tokens``, from :func:`introspection`): arXiv:2604.11035 §2's mean, pooled over problems."""
+    tokens = sum(r["alpha_tokens"] for r in records)
+    return sum(r["alpha_sum"] for r in records) / tokens if tokens else float("nan")
+
+
+Row = tuple[str, str, dict, "int | None"]  # (label, model key, decoder config, ISD stride or None)
+
+
+def greedy_config(args) -> dict:
+    return {"max_new_tokens": args.max_new_tokens, "batch_size": 1, "cuda_graphs": args.cuda_graphs}
+
+
+def base_ar_row(args) -> Row:
+    """The base's AR greedy: every table's first row, the TPS ratios' reference."""
+    return ("AR greedy (base)", "base", {"name": "ar", **greedy_config(args)}, None)
+
+
+def isd_rows(args, strides: list[int], sampled: bool) -> list[Row]:
+    """The I-DLM checkpoint's rows: its own AR greedy, greedy ISD at each N of ``strides`` and, if
+    ``sampled``, sampled ISD at each."""
+    greedy = greedy_config(args)
+    sample = {**greedy, "mode": "sample", "temperature": args.temperature}
+    return [
+        ("AR greedy (I-DLM ckpt)", "idlm", {"name": "ar", **greedy}, None),
+        *[(f"ISD N={n} greedy", "idlm", {"name": "isd", "stride": n, **greedy}, n) for n in strides],
+        *[(f"ISD N={n} sample T={args.temperature}", "idlm", {"name": "isd", "stride": n, **sample}, n)
+          for n in (strides if sampled else [])],
+    ]
+
+
+def table_rows(args, strides: list[int], risd_stride: int | None) -> list[Row]:
+    """The ``--split`` table's rows: the base's AR greedy (the TPS reference), the I-DLM rows at ``strides``
+    (with ``--idlm``) and R-ISD at its checkpoint's ``risd_stride`` (with ``--risd``)."""
+    rows = [base_ar_row(args), *(isd_rows(args, strides, not args.no_sample) if args.idlm else [])]
+    if args.risd:
+        rows.append((f"R-ISD N={risd_stride} greedy (gated LoRA)", "risd",
+                     {"name": "isd", "stride": risd_stride, **greedy_config(args)}, risd_stride))
+    return rows
+
+
+def decode_rows(args, models, problems, rows, warmed: set[str]) -> dict[str, list[dict]]:
+    """Every row of ``rows`` (``(label, model key, decoder config, stride)``) on ``problems``, one row after
+    the other; records by label in index order, each ISD record with its introspection (untimed). A row
+    not in ``warmed`` first decodes the first two problems untimed (first-call allocations would otherwise
+    slow it down) and joins it."""
+    records = {}
+    warmup = problems.select(range(min(2, len(problems))))
     for label, which, decoder, stride in rows:
         model, tok = models[which]
-        # Untimed warm-up: first-call allocations would otherwise slow the first row down.
-        evaluate(model, tok, warmup, decoder, template=args.template, agreement=False, shard=False)
-        result = evaluate(model, tok, eval_rows, decoder, template=args.template, agreement=False, shard=False,
+        if label not in warmed:
+            evaluate(model, tok, warmup, decoder, template=args.template, agreement=False, shard=False)
+            warmed.add(label)
+        result = evaluate(model, tok, problems, decoder, template=args.template, agreement=False, shard=False,
                           progress=True)
-        m, recs = result.metrics, sorted(result.records, key=lambda r: r["index"])
+        records[label] = sorted(result.records, key=lambda r: r["index"])
+        for r in records[label] if stride else ():
+            r["alpha_sum"], r["alpha_tokens"] = introspection(model, tok, r, stride, args.template)
+    return records
+
+
+def table_of(models, rows, records: dict[str, list[dict]], latency) -> list[dict]:
+    """One table row per entry of ``rows`` from its (pooled) records, in order; the first is the base's AR
+    greedy, the TPS ratios' reference."""
+    table, own_ar = [], {}
+    for label, which, decoder, stride in rows:
+        recs = records[label]
+        m = {**compute_metrics(recs, decoder["name"] == "ar"),
+             **build_decoder(decoder, models[which][1]).summarize(recs)}
         if decoder["name"] == "ar":
             own_ar[which] = recs
         # R-ISD's clean stream is the frozen base: its own AR greedy is the base's.
@@ -117,15 +197,29 @@ def measure(args, models, eval_rows, rows, latency) -> list[dict]:
             "stride": stride, "greedy": decoder.get("mode", "greedy") == "greedy",
             "tpf": m["tpf"], "num_samples": m["num_samples"],
             "tps": m["tps"], "tps_ratio": m["tps"] / table[0]["tps"] if table else 1.0,
-            "alpha": alpha(model, tok, recs, stride, args.template) if stride else None,
+            "alpha": alpha(recs) if stride else None,
             "tpf_formula": m.get("isd_tpf_predicted"),
             "bound": m["tpf"] * latency[1] / latency[2 * stride - 1] if stride and latency else None,
             "t_verify_over_t_1": latency[2 * stride - 1] / latency[1] if stride and latency else None,
         }
         row["share_of_bound"] = row["tps_ratio"] / row["bound"] if row["bound"] else None
         table.append(row)
+    return table
+
+
+def measure(args, models, eval_rows, rows, latency) -> list[dict]:
+    """The table of ``rows`` on ``eval_rows`` decoded in one go (the validation rows)."""
+    table = table_of(models, rows, decode_rows(args, models, eval_rows, rows, set()), latency)
+    for row in table:
         print(json.dumps(row), flush=True)
     return table
+
+
+def chunk_fingerprint(args, rows) -> dict:
+    """What the chunks are made by (pardec.benchmarks.chunks: a chunk of another setting is refused)."""
+    return {"benchmark": "idlm_isd", "base": args.base, "idlm": args.idlm, "risd": args.risd, "split": args.split,
+            "template": args.template, "device": args.device, "dtype": args.dtype, "threads": args.threads,
+            "rows": [[label, decoder] for label, _, decoder, _ in rows]}
 
 
 def choose_stride(val_table: list[dict]) -> tuple[int, str]:
@@ -170,49 +264,51 @@ def main(argv: list[str] | None = None) -> None:
     if args.risd:
         models["risd"] = load(args.risd)
 
-    greedy = {"max_new_tokens": args.max_new_tokens, "batch_size": 1, "cuda_graphs": args.cuda_graphs}
-    sample = {**greedy, "mode": "sample", "temperature": args.temperature}
-
-    def isd_rows(strides: list[int], sampled: bool) -> list[tuple]:
-        return [
-            ("AR greedy (I-DLM ckpt)", "idlm", {"name": "ar", **greedy}, None),
-            *[(f"ISD N={n} greedy", "idlm", {"name": "isd", "stride": n, **greedy}, n) for n in strides],
-            *[(f"ISD N={n} sample T={args.temperature}", "idlm", {"name": "isd", "stride": n, **sample}, n)
-              for n in (strides if sampled else [])],
-        ]
-
-    base_ar = ("AR greedy (base)", "base", {"name": "ar", **greedy}, None)
     risd_stride = resolve_stride(models["risd"][0], None) if args.risd else None
     strides = sorted({*(args.strides if args.idlm else []), *args.test_strides,
                       *([risd_stride] if risd_stride else [])})
     latency = {} if args.no_bound else forward_latencies(
         models["base"][0], [1, *(2 * n - 1 for n in strides)], args.bound_cache, args.bound_repeats)
 
-    validation, chosen, rule = None, None, None
+    checkpoints = [path for path in (args.base, args.idlm, args.risd) if path]
+    validation, chosen, rule, kept_note = None, None, None, ""
     test_strides = args.strides
     if args.num_val:
-        validation = measure(args, models, validation_rows(args.num_val), [base_ar, *isd_rows(args.strides, False)],
-                             latency)
-        chosen, rule = choose_stride(validation)
-        test_strides = sorted({chosen, *args.test_strides})
-    rows = [base_ar, *(isd_rows(test_strides, not args.no_sample) if args.idlm else [])]
-    if args.risd:
-        rows.append((f"R-ISD N={risd_stride} greedy (gated LoRA)", "risd",
-                     {"name": "isd", "stride": risd_stride, **greedy}, risd_stride))
-    table = measure(args, models, eval_rows, rows, latency)
+        val_rows = [base_ar_row(args), *isd_rows(args, args.strides, False)]
 
-    command = invoked_command("pardec.benchmarks.idlm_isd")
-    if validation is None:
-        md, payload = markdown(table), table
-    else:
-        md = (f"Validation split ({args.num_val} problems of the generator's val split; N chosen here: {chosen}, "
-              f"{rule}):\n\n{markdown(validation)}\n\n"
-              f"{split_label(args.split).capitalize()} ({args.num_samples} problems; ISD at N = "
-              f"{', '.join(map(str, test_strides))}):\n\n{markdown(table)}")
-        payload = {"command": command, "chosen_stride": chosen, "choice_rule": rule,
-                   "test_strides": test_strides, "validation": validation, "test": table}
-    print(md)
-    write_results(args.out, command, md, payload)
+        def sweep() -> dict:
+            table = measure(args, models, validation_rows(args.num_val), val_rows, latency)
+            return {"table": table, "choice": choose_stride(table)}
+
+        if args.chunk_dir:  # chosen once per chunk directory: a restart decodes the same rows
+            val_fingerprint = {**chunk_fingerprint(args, val_rows), "split": "val", "num_val": args.num_val}
+            path = Path(args.chunk_dir) / VALIDATION_FILE
+            kept, val_machine, was_read = kept_result(path, val_fingerprint, sweep, checkpoints)
+            kept_note = f", read from {path}, decoded on {machine_name(val_machine or {})}" if was_read else ""
+        else:
+            kept = sweep()
+        validation, (chosen, rule) = kept["table"], kept["choice"]
+        test_strides = sorted({chosen, *args.test_strides})
+    rows = table_rows(args, test_strides, risd_stride)
+    command, warmed = invoked_command("pardec.benchmarks.idlm_isd", argv), set()
+
+    def write_table(records: dict[str, list[dict]], done: int, machine: dict) -> None:
+        table = table_of(models, rows, records, latency)
+        what = (f"{split_label(args.split).capitalize()} ({done} problems"
+                f"{progress_note(args.chunk_dir, args.chunk_size, done, len(eval_rows))}")
+        if validation is None:
+            md, payload = f"{what}):\n\n{markdown(table)}", table
+        else:
+            md = (f"Validation split ({args.num_val} problems of the generator's val split{kept_note}; N chosen here: "
+                  f"{chosen}, {rule}):\n\n{markdown(validation)}\n\n"
+                  f"{what}; ISD at N = {', '.join(map(str, test_strides))}):\n\n{markdown(table)}")
+            payload = {"command": command, "chosen_stride": chosen, "choice_rule": rule,
+                       "test_strides": test_strides, "validation": validation, "test": table}
+        print(md, flush=True)
+        write_results(args.out, command, md, payload, machine=machine)
+
+    decode_all(eval_rows, args.chunk_dir, args.chunk_size, chunk_fingerprint(args, rows),
+               lambda problems: decode_rows(args, models, problems, rows, warmed), write_table, checkpoints)
 
 
 if __name__ == "__main__":

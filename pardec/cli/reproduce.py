@@ -8,7 +8,7 @@
 fine-tuned, converted, benchmarked on the 200 test problems and summarised in
 ``benchmarks/results/real/summary.md``; its state is ``runs/reproduce_real/`` and its steps use both cores
 (``--threads``, default 2): with a 135M model two threads decode and train faster than one, and nothing
-else runs beside a step. Its MDM tables (FlashDLM, COVER) decode in chunks kept under
+else runs beside a step. Its ISD and MDM tables (R-ISD, I-DLM, FlashDLM, COVER) decode in chunks kept under
 ``benchmarks/results/real/chunks/`` (committed; :mod:`pardec.benchmarks.chunks`), which a re-built
 checkpoint of the same bytes goes on from; a base re-built on another kind of CPU has other bytes, the
 benchmark refuses those chunks, and ``--chunk-dir DIR`` (e.g. ``runs/reproduce_real/chunks``) decodes
@@ -142,14 +142,18 @@ REAL_STEPS: tuple[Step, ...] = (
     bench("cpu_speed", ["--model", "models/smollm2-135m-instruct", "--out", f"{REAL}/cpu_speed"], (),
           module="pardec.benchmarks.real_model_speed"),
     train("smollm2_risd"),
+    # AR and R-ISD on the 200 test problems in chunks of 10, both rows on each chunk in turn (so that a drift of the
+    # machine's speed reaches both), resumed from the last finished chunk.
     bench("cpu_risd", ["--base", f"{SMOLLM2}/hf", "--risd", "runs/smollm2_risd/hf", "--threads", "2",
+                       "--chunk-dir", f"{REAL_CHUNKS}/cpu_risd", "--chunk-size", "10",
                        "--out", f"{REAL}/cpu_risd"], (SMOLLM2, "runs/smollm2_risd"),
           module="pardec.benchmarks.idlm_isd"),
     train("smollm2_idlm_lora", "02-stride4"),
-    # N chosen among 2-4 on 30 val problems (for TPS); the test rows at that N and at N = 4, whose TPF the goal
-    # names (docs/results/real_cpu.md), whichever N val chooses.
+    # N chosen among 2-4 on 30 val problems (for TPS; the choice kept beside the chunks); the test rows at that N
+    # and at N = 4, whose TPF the goal names (docs/results/real_cpu.md), whichever N val chooses, in chunks of 10.
     bench("cpu_idlm", ["--base", f"{SMOLLM2}/hf", "--idlm", f"{REAL_IDLM}/hf", "--strides", "2", "3", "4",
-                       "--num-val", "30", "--test-strides", "4", "--no-sample",
+                       "--num-val", "30", "--test-strides", "4", "--no-sample", "--chunk-dir",
+                       f"{REAL_CHUNKS}/cpu_idlm", "--chunk-size", "10",
                        "--threads", "2", "--out", f"{REAL}/cpu_idlm"], (SMOLLM2, REAL_IDLM),
           module="pardec.benchmarks.idlm_isd"),
     train("smollm2_refusion_lora_3000"),
@@ -375,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="OMP_NUM_THREADS of every step (default: 1 for the embedded pipeline, 2 for --real)")
     parser.add_argument("--chunk-dir", metavar="DIR",
-                        help=f"with --real: keep the MDM tables' chunks under DIR instead of {REAL_CHUNKS} (the "
+                        help=f"with --real: keep the chunked tables' chunks under DIR instead of {REAL_CHUNKS} (the "
                              f"committed ones), e.g. {LOCAL_CHUNKS} where those were made with other checkpoints")
     parser.add_argument("--chunk-steps", nargs="+", metavar="STEP",
                         help="with --chunk-dir: move only these steps' chunks (default: every chunked step's)")
