@@ -75,7 +75,7 @@ def test_n_chosen_on_val_then_the_test_rows_use_it_and_the_test_strides(tmp_path
         assert row["identical_to_own_ar"] == 1.0 and row["num_samples"] == 2
         assert row["bound"] == pytest.approx(row["tpf"] / row["t_verify_over_t_1"])  # its width's latency measured
     md = out.with_suffix(".md").read_text()
-    assert f"N chosen here: {n}" in md and f"Test split (2 problems; ISD at N = {n}, 4)" in md
+    assert f"N chosen here: {n}" in md and f"Test split, 2 problems, ISD at N = {n}, 4:" in md
 
 
 def test_num_val_needs_an_idlm_checkpoint_and_the_test_split_and_test_strides_need_num_val(tmp_path):
@@ -134,27 +134,34 @@ def test_risd_in_chunks_equals_one_run_and_resumes(tmp_path, monkeypatch):
         "0000-0001.json", "0001-0002.json", "0002-0003.json"]
 
 
-def test_the_val_choice_is_kept_beside_the_chunks_and_read_on_restart(tmp_path, monkeypatch):
+def test_the_val_choice_and_the_bound_are_kept_beside_the_chunks_and_read_on_restart(tmp_path, monkeypatch):
+    """A restart (or a table read back from its chunks) decodes the rows val chose the first time, and shows
+    the bound's latencies measured the first time: neither is measured again."""
     base = save_chat_checkpoint(tmp_path / "base")
     result = run_in_process([
         f"output_dir={tmp_path / 'run'}", "recipe=idlm", "model=hf", f"model.path={base}", "data.pack_length=512",
         "recipe.stages=[{name: s2, max_steps: 1, overrides: {stride: 2}}]",
     ])
     args = ["--base", str(base), "--idlm", str(result.export_dir), "--num-samples", "2", "--num-val", "2",
-            "--strides", "2", "3", "--no-sample", "--max-new-tokens", "8", "--threads", "1", "--no-bound",
-            "--chunk-dir", str(tmp_path / "chunks"), "--out", str(tmp_path / "t")]
+            "--strides", "2", "3", "--no-sample", "--max-new-tokens", "8", "--threads", "1", "--bound-cache", "8",
+            "--bound-repeats", "1", "--chunk-dir", str(tmp_path / "chunks"), "--out", str(tmp_path / "t")]
     idlm_isd.main(args)
     first = json.loads((tmp_path / "t.json").read_text())
-    assert (tmp_path / "chunks" / idlm_isd.VALIDATION_FILE).is_file()
+    for name in (idlm_isd.VALIDATION_FILE, idlm_isd.BOUND_FILE):
+        assert (tmp_path / "chunks" / name).is_file()
 
-    def no_sweep(*a, **k):
-        raise AssertionError("the validation sweep ran again")
+    def measured_again(*a, **k):
+        raise AssertionError("the validation sweep or the bound's latencies were measured again")
 
-    monkeypatch.setattr(idlm_isd, "measure", no_sweep)
+    monkeypatch.setattr(idlm_isd, "measure", measured_again)
+    monkeypatch.setattr(idlm_isd, "forward_latencies", measured_again)
     idlm_isd.main(args)
     again = json.loads((tmp_path / "t.json").read_text())
     assert (again["chosen_stride"], again["validation"]) == (first["chosen_stride"], first["validation"])
-    assert f"read from {tmp_path / 'chunks' / idlm_isd.VALIDATION_FILE}" in (tmp_path / "t.md").read_text()
+    assert again["test"] == first["test"]  # read back, nothing decoded: the same table, times and bound included
+    md = (tmp_path / "t.md").read_text()
+    assert f"read from {tmp_path / 'chunks' / idlm_isd.VALIDATION_FILE}" in md
+    assert f"t(q) read from {tmp_path / 'chunks' / idlm_isd.BOUND_FILE}" in md
     # Another sweep's settings: the kept choice is refused by name, not reused.
     with pytest.raises(ValueError, match="validation.json was made by another setting"):
         idlm_isd.main([*args[:args.index("--num-val") + 1], "1", *args[args.index("--num-val") + 2:]])

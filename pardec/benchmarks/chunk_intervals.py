@@ -3,29 +3,30 @@
 #   benchmarks/results/real/chunks/cpu_cover_block8 --out benchmarks/results/real/chunk_intervals
 """95% intervals for a chunked table's TPS ratios and accuracy gaps, from its saved chunks alone.
 
-A chunked benchmark (:mod:`pardec.benchmarks.chunks`: ``mdm_flashdlm``, ``cover``) decodes every row
-of its table on each chunk of problems in turn, so each chunk holds every row's committed tokens,
-decoding time and answers from the same few minutes of the machine's run. The chunks are the units
-resampled: a percentile bootstrap over chunks (``--resamples`` draws of as many chunks as the table
-has, with replacement, seeded by ``--seed``; one draw serves every row, so a ratio's two rows are
-resampled together) recomputes each statistic from pooled sums, as the table does, and its 2.5th and
-97.5th percentiles are the interval. The statistics, for every row:
+A chunked benchmark (:mod:`pardec.benchmarks.chunks`: ``idlm_isd``, ``mdm_flashdlm``, ``cover``)
+decodes every row of its table on each chunk of problems in turn, so each chunk holds every row's
+committed tokens, decoding time and answers from the same few minutes of the machine's run. The chunks
+are the units resampled: a percentile bootstrap over chunks (``--resamples`` draws of as many chunks as
+the table has, with replacement, seeded by ``--seed``; one draw serves every row, so a ratio's two rows
+are resampled together) recomputes each statistic from pooled sums, as the table does, and its 2.5th
+and 97.5th percentiles are the interval. The statistics, for every row:
 
 * TPS / base AR and TPS / baseline: (sum of committed tokens / sum of decoding time) of the row over
   the same of the reference row. The references are found by their decoder configs in the chunks'
-  fingerprint: base AR is the ``ar`` decoder; the baseline is LLaDA low-confidence remasking at one
-  token per step without FreeCache (``mdm_lowconf`` with neither ``freecache`` nor ``steps_per_block``).
-  A table without a reference has "—" there.
+  fingerprint: base AR is the first ``ar`` row (the base's; an I-DLM table's own AR row comes after
+  it); the baseline is LLaDA low-confidence remasking at one token per step without FreeCache
+  (``mdm_lowconf`` with neither ``freecache`` nor ``steps_per_block``). A table without a reference
+  has "—" there.
 * accuracy gap: the row's accuracy minus base AR's on the same problems, in points (paired).
 
 What an interval covers: which problems were drawn, and how the machine's speed moved from chunk to
 chunk during the run. What it does not: another run of the same command (another process, another
-hour, another machine of the same kind), whose TPS ratios moved by 11-18% per row on the 2-core CPU
-hosts (docs/results/real_cpu.md, "The lossless ISD rows on fresh problems"); such a shift moves the
-whole interval. Nothing is decoded and no checkpoint is read: the chunks must only agree with one
-another (one fingerprint; a chunk of another setting is refused, naming its file). Writes
-``<out>.{md,json}`` (default ``benchmarks/results/chunk_intervals``); the header names the machine that
-decoded each table's chunks.
+hour, another machine of the same kind), which shifts the whole interval by however much the machine
+treats the rows differently that time (docs/results/real_cpu.md, "How far the chunked tables' ratios
+move within their runs", compares runs). Nothing is decoded and no checkpoint is read: the chunks must
+only agree with one another (one fingerprint; a chunk of another setting is refused, naming its file).
+Writes ``<out>.{md,json}`` (default ``benchmarks/results/chunk_intervals``); the header names the
+machine that decoded each table's chunks.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def table_intervals(chunk_dir: str | Path, resamples: int, seed: int) -> dict:
     rows, chunks, machine = load_chunks(chunk_dir)
     sums = {key: chunk_sums(chunks, key) for key, _ in rows}
     draws = np.random.default_rng(seed).integers(0, len(chunks), size=(resamples, len(chunks)))
-    refs = {reference_of(decoder): key for key, decoder in reversed(rows) if reference_of(decoder)}
+    refs = {reference_of(decoder): key for key, decoder in reversed(rows) if reference_of(decoder)}  # the first
     out = []
     for key, _ in rows:
         row = {"row": key, "accuracy": float(accuracy(sums[key])), "tps": float(tps(sums[key]))}

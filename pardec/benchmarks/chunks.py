@@ -70,21 +70,25 @@ def with_checkpoints(fingerprint: dict[str, Any], checkpoints: Iterable[str | Pa
             "checkpoint_sha256": {str(c): checkpoint_digest(c) for c in checkpoints}}
 
 
-def kept_result(path: str | Path, fingerprint: dict[str, Any], compute: Callable[[], Any],
-                checkpoints: Iterable[str | Path] = ()) -> tuple[Any, Machine | None, bool]:
-    """``(result, machine that computed it, whether it was read)`` of something a chunked run computes
-    once before its chunks, e.g. the validation sweep that chooses the test rows: read from ``path`` (a
-    file beside the chunks) when it was saved with the same fingerprint (:func:`with_checkpoints`), else
-    ``compute()``d and saved there atomically, so a restarted run makes the same choice without paying
-    for it again; one saved by another setting is refused as a chunk is (:func:`read_chunk`)."""
-    path, fingerprint = Path(path), with_checkpoints(fingerprint, checkpoints)
+def kept_in(chunk_dir: str | Path | None, name: str, fingerprint: dict[str, Any], compute: Callable[[], Any],
+            checkpoints: Iterable[str | Path] = ()) -> tuple[Any, str]:
+    """``(result, note)`` of something a chunked run computes once before its chunks (the validation sweep
+    that chooses the test rows, a latency probe): without a chunk directory ``compute()`` and no note; with
+    one, read from ``chunk_dir/name`` when it was saved with the same fingerprint (:func:`with_checkpoints`),
+    the note ``read from <file>, made on <machine>`` for the table's header, else ``compute()``d and saved
+    there atomically. So a restarted run, or a table read back from its chunks, makes the same choice and
+    shows the same numbers without measuring them again; one saved by another setting is refused as a chunk
+    is (:func:`read_chunk`)."""
+    if chunk_dir is None:
+        return compute(), ""
+    path, fingerprint = Path(chunk_dir) / name, with_checkpoints(fingerprint, checkpoints)
     if path.exists():
         result, machine = read_chunk(path, fingerprint)
-        return result, machine, True
-    result, machine = compute(), current_machine()
+        return result, f"read from {path}, made on {machine_name(machine) if machine else 'not recorded'}"
+    result = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_chunk(path, fingerprint, result, machine)
-    return result, machine, False
+    write_chunk(path, fingerprint, result, current_machine())
+    return result, ""
 
 
 def run_in_chunks(problems, chunk_size: int, chunk_dir: str | Path, fingerprint: dict[str, Any],

@@ -28,7 +28,8 @@ drift of the machine's speed reaches a row and its reference alike), each chunk 
 when the same command runs again; the table, of the problems done so far, is rewritten after every chunk
 (``pardec.benchmarks.chunks``), alpha pooled from each record's introspection. With ``--num-val`` the
 sweep and the N it chose are kept beside the chunks (``validation.json``) and read on restart, so a restart
-decodes the same rows (the TPS-based choice could otherwise change). Sampled rows need one decode call
+decodes the same rows (the TPS-based choice could otherwise change); so are the bound's latencies
+(``bound.json``), so that a table read back from its chunks is the same table. Sampled rows need one decode call
 (their seeds follow the problem's place in it): with ``--idlm``, chunks need ``--no-sample``.
 ``--cuda-graphs`` runs every row, AR included, over a static cache with each step width captured once
 as a CUDA graph (``pardec.inference.decoders.decode_steps``), so that on a GPU TPS follows TPF.
@@ -46,11 +47,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import torch
 
-from pardec.benchmarks.chunks import decode_all, kept_result, progress_note
+from pardec.benchmarks.chunks import decode_all, kept_in, progress_note
 from pardec.benchmarks.common import (
     RESULTS,
     add_bound_args,
@@ -59,7 +59,6 @@ from pardec.benchmarks.common import (
     fastest_lossless,
     identical,
     invoked_command,
-    machine_name,
     or_dash,
     split_label,
     split_rows,
@@ -75,6 +74,7 @@ from pardec.inference.metrics import compute_metrics
 from pardec.models.loading import mask_token_id
 
 VALIDATION_FILE = "validation.json"  # beside the chunks: the --num-val sweep and the N it chose
+BOUND_FILE = "bound.json"  # beside the chunks: the forward latencies t(q) of the bound
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -222,6 +222,12 @@ def chunk_fingerprint(args, rows) -> dict:
             "rows": [[label, decoder] for label, _, decoder, _ in rows]}
 
 
+def bound_fingerprint(args, widths: list[int]) -> dict:
+    """What the bound's latencies are measured with (kept beside the chunks, ``BOUND_FILE``)."""
+    return {"benchmark": "idlm_isd bound", "base": args.base, "widths": widths, "bound_cache": args.bound_cache,
+            "bound_repeats": args.bound_repeats, "device": args.device, "dtype": args.dtype, "threads": args.threads}
+
+
 def choose_stride(val_table: list[dict]) -> tuple[int, str]:
     """(N, the rule that chose it): the fastest greedy ISD row identical to own AR greedy on val
     (:func:`pardec.benchmarks.common.fastest_lossless`)."""
@@ -267,10 +273,17 @@ def main(argv: list[str] | None = None) -> None:
     risd_stride = resolve_stride(models["risd"][0], None) if args.risd else None
     strides = sorted({*(args.strides if args.idlm else []), *args.test_strides,
                       *([risd_stride] if risd_stride else [])})
-    latency = {} if args.no_bound else forward_latencies(
-        models["base"][0], [1, *(2 * n - 1 for n in strides)], args.bound_cache, args.bound_repeats)
-
     checkpoints = [path for path in (args.base, args.idlm, args.risd) if path]
+    widths = [1, *(2 * n - 1 for n in strides)]
+
+    def probe() -> dict[int, float]:
+        return forward_latencies(models["base"][0], widths, args.bound_cache, args.bound_repeats)
+
+    latency, bound_note = {}, ""
+    if not args.no_bound:  # measured once per chunk directory: a table read back keeps its bound
+        kept, note = kept_in(args.chunk_dir, BOUND_FILE, bound_fingerprint(args, widths), probe, [args.base])
+        latency = {int(width): seconds for width, seconds in kept.items()}  # JSON keys are strings once read back
+        bound_note = f"; t(q) {note}" if note else ""
     validation, chosen, rule, kept_note = None, None, None, ""
     test_strides = args.strides
     if args.num_val:
@@ -280,13 +293,10 @@ def main(argv: list[str] | None = None) -> None:
             table = measure(args, models, validation_rows(args.num_val), val_rows, latency)
             return {"table": table, "choice": choose_stride(table)}
 
-        if args.chunk_dir:  # chosen once per chunk directory: a restart decodes the same rows
-            val_fingerprint = {**chunk_fingerprint(args, val_rows), "split": "val", "num_val": args.num_val}
-            path = Path(args.chunk_dir) / VALIDATION_FILE
-            kept, val_machine, was_read = kept_result(path, val_fingerprint, sweep, checkpoints)
-            kept_note = f", read from {path}, decoded on {machine_name(val_machine or {})}" if was_read else ""
-        else:
-            kept = sweep()
+        # chosen once per chunk directory: a restart decodes the same rows
+        val_fingerprint = {**chunk_fingerprint(args, val_rows), "split": "val", "num_val": args.num_val}
+        kept, note = kept_in(args.chunk_dir, VALIDATION_FILE, val_fingerprint, sweep, checkpoints)
+        kept_note = f", {note}" if note else ""
         validation, (chosen, rule) = kept["table"], kept["choice"]
         test_strides = sorted({chosen, *args.test_strides})
     rows = table_rows(args, test_strides, risd_stride)
@@ -294,14 +304,14 @@ def main(argv: list[str] | None = None) -> None:
 
     def write_table(records: dict[str, list[dict]], done: int, machine: dict) -> None:
         table = table_of(models, rows, records, latency)
-        what = (f"{split_label(args.split).capitalize()} ({done} problems"
-                f"{progress_note(args.chunk_dir, args.chunk_size, done, len(eval_rows))}")
+        at_n = f", ISD at N = {', '.join(map(str, test_strides))}" if validation is not None else ""
+        what = (f"{split_label(args.split).capitalize()}, {done} problems{at_n}{bound_note}"
+                f"{progress_note(args.chunk_dir, args.chunk_size, done, len(eval_rows))}:\n\n{markdown(table)}")
         if validation is None:
-            md, payload = f"{what}):\n\n{markdown(table)}", table
+            md, payload = what, table
         else:
             md = (f"Validation split ({args.num_val} problems of the generator's val split{kept_note}; N chosen here: "
-                  f"{chosen}, {rule}):\n\n{markdown(validation)}\n\n"
-                  f"{what}; ISD at N = {', '.join(map(str, test_strides))}):\n\n{markdown(table)}")
+                  f"{chosen}, {rule}):\n\n{markdown(validation)}\n\n{what}")
             payload = {"command": command, "chosen_stride": chosen, "choice_rule": rule,
                        "test_strides": test_strides, "validation": validation, "test": table}
         print(md, flush=True)
