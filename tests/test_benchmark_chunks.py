@@ -11,8 +11,8 @@ from pathlib import Path
 import datasets
 import pytest
 
-from pardec.benchmarks import cover, mdm_flashdlm
-from pardec.benchmarks.chunks import chunk_bounds, run_in_chunks
+from pardec.benchmarks import cover, idlm_isd, mdm_flashdlm
+from pardec.benchmarks.chunks import CHUNK_FILES, chunk_bounds, run_in_chunks
 from pardec.cli.reproduce import REAL, REAL_STEPS
 from tests.conftest import save_chat_checkpoint
 from tests.test_mdm_benchmarks_real_flags import chat_mdm_export
@@ -239,8 +239,14 @@ def test_cover_names_its_validation_machine_apart_from_the_chunks_machine(tmp_pa
 
 
 def committed_fingerprint(step_name: str) -> dict:
-    chunk = json.loads(next(iter(sorted((REAL_CHUNKS / step_name).glob("*.json")))).read_text())
+    chunk = json.loads(next(iter(sorted((REAL_CHUNKS / step_name).glob(CHUNK_FILES)))).read_text())
     return {k: v for k, v in chunk["fingerprint"].items() if k not in ("torch", "checkpoint_sha256")}
+
+
+def kept_fingerprint(step_name: str, name: str) -> dict:
+    """The fingerprint of what a chunked step keeps beside its chunks (pardec.benchmarks.chunks.kept_in)."""
+    saved = json.loads((REAL_CHUNKS / step_name / name).read_text())["fingerprint"]
+    return {k: v for k, v in saved.items() if k not in ("torch", "checkpoint_sha256")}
 
 
 def step_args(step_name: str) -> list[str]:
@@ -257,8 +263,24 @@ MDM_BLOCK8 = 8  # that of smollm2_mdm_lora_2000_block8 (the block-8 FlashDLM and
 def test_the_reproduce_commands_still_make_the_committed_chunks_fingerprints():
     """``pardec.cli.reproduce --real`` goes on from the committed chunks only when its commands fingerprint
     them as they were made (a new config key, even at its default, would have every chunk refused): the
-    FlashDLM and COVER tables' settings today against their first chunk's (the torch version and the
+    R-ISD, FlashDLM and COVER tables' settings today against their first chunk's (the torch version and the
     checkpoints' digests, added when decoding, aside)."""
+    args = idlm_isd.parse_args(step_args("cpu_risd"))
+    stride = json.loads((REAL_CHUNKS.parent / "cpu_risd.json").read_text())[-1]["stride"]  # the gated LoRA's
+    rows = idlm_isd.table_rows(args, args.strides, stride)
+    assert json.loads(json.dumps(idlm_isd.chunk_fingerprint(args, rows))) == committed_fingerprint("cpu_risd")
+    assert kept_fingerprint("cpu_risd", idlm_isd.BOUND_FILE) == idlm_isd.bound_fingerprint(args, [1, 2 * stride - 1])
+
+    args = idlm_isd.parse_args(step_args("cpu_idlm"))
+    committed = json.loads((REAL_CHUNKS.parent / "cpu_idlm.json").read_text())
+    rows = idlm_isd.table_rows(args, committed["test_strides"], None)  # the N val chose (kept), and N = 4
+    assert json.loads(json.dumps(idlm_isd.chunk_fingerprint(args, rows))) == committed_fingerprint("cpu_idlm")
+    val_rows = [idlm_isd.base_ar_row(args), *idlm_isd.isd_rows(args, args.strides, False)]
+    assert kept_fingerprint("cpu_idlm", idlm_isd.VALIDATION_FILE) == json.loads(json.dumps(
+        {**idlm_isd.chunk_fingerprint(args, val_rows), "split": "val", "num_val": args.num_val}))
+    widths = [1, *(2 * n - 1 for n in sorted({*args.strides, *args.test_strides}))]
+    assert kept_fingerprint("cpu_idlm", idlm_isd.BOUND_FILE) == idlm_isd.bound_fingerprint(args, widths)
+
     for step_name, block in (("cpu_mdm_flashdlm", MDM_BLOCK), ("cpu_mdm_flashdlm_block8", MDM_BLOCK8)):
         args = mdm_flashdlm.parse_args(step_args(step_name))
         args.block_size = block

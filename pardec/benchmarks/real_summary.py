@@ -134,7 +134,7 @@ ROWS: tuple[RealRow, ...] = (
             RISD_CPU),
     RealRow("R-ISD", "gated LoRA on the CPU SFT base", CPU, "cpu_risd", ISD, "R-ISD N=3 greedy (gated LoRA)",
             "R-ISD N=3", "smollm2_risd", "base", RISD_CPU),
-    *(RealRow("I-DLM", "I-DLM (stride 4, LoRA r=64) on the CPU SFT base as an Intel CPU re-built it", CPU,
+    *(RealRow("I-DLM", "I-DLM (stride 4, LoRA r=64) on the CPU SFT base", CPU,
               "cpu_idlm", ISD, decoder, lambda data, decoder=decoder: decoder(data).removesuffix(" greedy"),
               "smollm2_idlm_lora", "own", IDLM_CPU, optional=decoder is isd_at_goal_stride)
       for decoder in (isd_chosen, isd_at_goal_stride)),
