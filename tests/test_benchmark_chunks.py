@@ -201,23 +201,25 @@ def test_cover_in_chunks_with_base_equals_one_run(tmp_path):
     timeless = ("tps", "tps_ratio", "tps_vs_base_ar", "seconds")
     assert [{k: v for k, v in r.items() if k not in timeless} for r in pooled] == \
            [{k: v for k, v in r.items() if k not in timeless} for r in one]
-    assert sorted(p.name for p in (tmp_path / "chunks").iterdir()) == ["0000-0001.json", "0001-0002.json"]
+    assert sorted(p.name for p in (tmp_path / "chunks").iterdir()) == [
+        "0000-0001.json", "0001-0002.json", cover.VALIDATION_FILE]
     assert "TPS / base AR" in (tmp_path / "c.md").read_text()
     # = base AR greedy, recounted from the saved outputs: problems whose tokens equal the AR row's
-    saved = [json.loads(p.read_text())["rows"] for p in sorted((tmp_path / "chunks").iterdir())]
+    saved = [json.loads(p.read_text())["rows"] for p in sorted((tmp_path / "chunks").glob(CHUNK_FILES))]
     for r in pooled:
         same = [c[r["decoder"]][0]["output_ids"] == c[AR_LABEL][0]["output_ids"] for c in saved]
         assert r["identical_to_base_ar"] == sum(same) / len(same)
     assert pooled[0]["identical_to_base_ar"] == 1.0 and "= base AR greedy" in (tmp_path / "c.md").read_text()
 
 
-def test_cover_names_its_validation_machine_apart_from_the_chunks_machine(tmp_path, monkeypatch):
-    """COVER's validation sweep runs in the process that writes the table, its test rows may come from
-    chunks decoded elsewhere: the Machine line names the chunks' machine, the validation section (and
-    ``validation_machine`` in the JSON) this process's."""
+def test_cover_keeps_its_validation_sweep_and_names_its_machine_apart_from_the_chunks_machine(tmp_path, monkeypatch):
+    """COVER's validation sweep is kept beside the chunks and read back, not swept again: a run that goes on
+    from chunks decoded elsewhere names the chunks' machine on its Machine line and the sweep's (also
+    ``validation_machine`` in the JSON) in the validation section, with the file it was read from; a
+    sweep of other settings is refused by name."""
     import pardec.benchmarks.chunks as chunks
-    from pardec.benchmarks.common import current_machine, machine_name
-    from pardec.benchmarks.cover import main
+    import pardec.benchmarks.cover as cover
+    from pardec.benchmarks.common import machine_name
 
     elsewhere = {"cpu": "CPU E, 64 cores", "gpu": None, "torch": "2.0"}
     mdm = chat_mdm_export(tmp_path / "mdm")
@@ -225,14 +227,24 @@ def test_cover_names_its_validation_machine_apart_from_the_chunks_machine(tmp_pa
             "--block-size", "4", "--taus", "0.9", "--template", "chat", "--threads", "1",
             "--chunk-dir", str(tmp_path / "chunks"), "--chunk-size", "1", "--out", str(tmp_path / "c")]
     monkeypatch.setattr(chunks, "current_machine", lambda: elsewhere)
-    main(args)  # the chunks, decoded "elsewhere"
+    monkeypatch.setattr(cover, "current_machine", lambda: elsewhere)
+    cover.main(args)  # the sweep and the chunks, decoded "elsewhere"
+    first = json.loads((tmp_path / "c.json").read_text())
     monkeypatch.undo()
-    main(args)  # read back here: only the validation sweep is decoded
-    here = current_machine()
+
+    def swept_again(*a, **k):
+        raise AssertionError("the validation sweep ran again")
+
+    monkeypatch.setattr(cover, "run", swept_again)
+    cover.main(args)  # read back here: nothing decoded
     lines = (tmp_path / "c.md").read_text().splitlines()
+    path = tmp_path / "chunks" / cover.VALIDATION_FILE
     assert lines[1] == f"Machine: {machine_name(elsewhere)}"
-    assert f"Validation (COVER; decoded by the run that wrote this table, on {machine_name(here)}):" in lines
-    assert json.loads((tmp_path / "c.json").read_text())["validation_machine"] == here
+    assert f"Validation (COVER; read from {path}, made on {machine_name(elsewhere)}):" in lines
+    again = json.loads((tmp_path / "c.json").read_text())
+    assert again["validation_machine"] == elsewhere and again == first
+    with pytest.raises(ValueError, match="validation.json was made by another setting"):
+        cover.main([*args[:args.index("--taus") + 1], "0.8", *args[args.index("--taus") + 2:]])
 
 
 # -- the committed real-model chunks --------------------------------------------------------------

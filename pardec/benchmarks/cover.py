@@ -18,10 +18,11 @@ split (disjoint from train and test).
 run). ``--rows``: the test rows to decode, by key (``ROW_KEYS``; all by default); without the baseline
 row (``lowconf1``) the TPS / baseline column is "—". ``--chunk-dir DIR``: the test rows decoded
 ``--chunk-size`` problems at a time, every row on each chunk in turn, each chunk saved in DIR and
-skipped when the same command runs again (the validation sweep runs first each time); the table, of the
-problems done so far, is rewritten after every chunk (``pardec.benchmarks.chunks``); the ``Machine:``
-line names the machine(s) that decoded the chunks, and the validation section (decoded by the process
-that writes the table) names its own, also under ``validation_machine`` in the JSON. ``--cuda-graphs``:
+skipped when the same command runs again; the validation sweep is kept beside them (``validation.json``)
+and read back, so a restart chooses the same tau without sweeping again; the table, of the problems done
+so far, is rewritten after every chunk (``pardec.benchmarks.chunks``); the ``Machine:`` line names the
+machine(s) that decoded the chunks, and the validation section names the one that swept it, also under
+``validation_machine`` in the JSON. ``--cuda-graphs``:
 every row (validation included) decodes with ``cuda_graphs=true`` (the MDM decoders' static steps,
 COVER's static override forwards; on a GPU each captured as CUDA graphs before a problem is timed).
 
@@ -39,7 +40,7 @@ import json
 
 import torch
 
-from pardec.benchmarks.chunks import decode_all, progress_note
+from pardec.benchmarks.chunks import decode_all, kept_in, progress_note
 from pardec.benchmarks.common import (
     RESULTS,
     add_runtime_args,
@@ -117,6 +118,9 @@ def row_keys(text: str) -> tuple[str, ...] | None:
         return named_keys(text, ROW_KEYS)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+VALIDATION_FILE = "validation.json"  # beside the chunks: the tau sweep (and the baselines' bar) the test rows used
 
 
 def graphs_setting(args: argparse.Namespace) -> dict:
@@ -213,21 +217,31 @@ def main(argv: list[str] | None = None) -> None:
     warmup = test.select(range(min(2, len(test))))
     common = common_settings(args)
 
-    tuning = []
-    for tau in (float(t) for t in args.taus.split(",")):
-        cover = {"name": "cover", "draft_threshold": tau, **common}
-        row = {"tau_draft": tau, **run(model, tok, val, cover, warmup, args.template)}
-        tuning.append(row)
-        print("validation", json.dumps(row), flush=True)
-    baselines_val = []
-    if args.select == "baselines":
-        for label, decoder in REVOCABLE_BASELINES:
-            baselines_val.append({"decoder": label,
-                                  **run(model, tok, val, {**decoder, **common}, warmup, args.template)})
+    tau_rows = [(f"COVER tau_draft={tau}", {"name": "cover", "draft_threshold": tau, **common})
+                for tau in (float(t) for t in args.taus.split(","))]
+    baseline_rows = [(label, {**decoder, **common}) for label, decoder in REVOCABLE_BASELINES] \
+        if args.select == "baselines" else []
+
+    def sweep() -> dict:
+        """COVER at every tau (and, for ``--select baselines``, WINO and Saber) on the validation problems."""
+        tuning = []
+        for _, cover in tau_rows:
+            tuning.append({"tau_draft": cover["draft_threshold"], **run(model, tok, val, cover, warmup, args.template)})
+            print("validation", json.dumps(tuning[-1]), flush=True)
+        baselines_val = []
+        for label, decoder in baseline_rows:
+            baselines_val.append({"decoder": label, **run(model, tok, val, decoder, warmup, args.template)})
             print("validation", json.dumps(baselines_val[-1]), flush=True)
+        return {"tuning": tuning, "baselines": baselines_val, "machine": current_machine()}
+
+    # Swept once per chunk directory (pardec.benchmarks.chunks.kept_in): a restart chooses the same tau at no cost.
+    val_fingerprint = {"benchmark": "cover validation", "mdm": args.mdm, "num_validation": args.num_validation,
+                       "template": args.template, "device": args.device, "dtype": args.dtype, "threads": args.threads,
+                       "rows": [[label, decoder] for label, decoder in tau_rows + baseline_rows]}
+    kept, kept_note = kept_in(args.chunk_dir, VALIDATION_FILE, val_fingerprint, sweep, [args.mdm])
+    tuning, baselines_val, validation_machine = kept["tuning"], kept["baselines"], kept["machine"]
     baseline_accuracy = max((r["accuracy"] for r in baselines_val), default=None)
     tau = choose_tau(tuning, args.select, baseline_accuracy)["tau_draft"]
-    validation_machine = current_machine()  # the test rows' may differ: chunks decoded elsewhere
 
     rows = table_rows(args, tau)
     warmed = set()
@@ -270,8 +284,9 @@ def main(argv: list[str] | None = None) -> None:
                       f"{args.max_new_tokens} new tokens, batch 1, {args.dtype} on {args.device} "
                       f"({args.threads} threads"
                       f"{', every forward a CUDA graph' if args.cuda_graphs else ''}), template "
-                      f"{args.template}.\n\nValidation (COVER; decoded by the run that wrote this table, on "
-                      f"{machine_name(validation_machine)}):\n\n{tune_md}\n\nTest:\n\n{md}",
+                      f"{args.template}.\n\nValidation (COVER; "
+                      f"{kept_note or f'decoded on {machine_name(validation_machine)}'}):\n\n{tune_md}\n\n"
+                      f"Test:\n\n{md}",
                       {"validation": tuning, "validation_baselines": baselines_val,
                        "validation_machine": validation_machine, "test": table}, machine=machine)
 

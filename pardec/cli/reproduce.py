@@ -184,7 +184,7 @@ REAL_STEPS: tuple[Step, ...] = (
     # CPU and the conversion: docs/results/real_cpu.md); the
     # other rows (two tokens per step, freeze-at-last-step, relaxed) are in the GPU and embedded tables. The
     # COVER table likewise, with the base's AR greedy row (TPS / base AR), tau_draft on 5 val problems (2-5 min,
-    # again at each restart), about 42 s per problem (2.4 h on an Intel Xeon). The chunks are committed
+    # kept beside the chunks), about 42 s per problem (2.4 h on an Intel Xeon). The chunks are committed
     # (benchmarks/results/real/chunks/): a later session re-builds smollm2_sft and the MDM and goes on from them
     # when its checkpoints are the same bytes (the chunks name them by sha256; pardec.benchmarks.chunks).
     bench("cpu_mdm_flashdlm", ["--base", f"{SMOLLM2}/hf", "--mdm", f"{REAL_MDM}/hf", "--num-samples", "200",
@@ -206,7 +206,7 @@ REAL_STEPS: tuple[Step, ...] = (
           (SMOLLM2, REAL_MDM_BLOCK8), module="pardec.benchmarks.mdm_flashdlm"),
     # COVER's goal rows in blocks of 8 (AR, WINO, Saber, COVER, COVER without override; the baseline is in the
     # table above, on the same problems): tau_draft the fewest-steps one at least as accurate on 20 val problems
-    # as the better of WINO and Saber (--select baselines: 11 min, again at each restart), then 22 s per test
+    # as the better of WINO and Saber (--select baselines: 11 min, kept beside the chunks), then 22 s per test
     # problem (83 min in all on an AMD EPYC family 25 model 17).
     bench("cpu_cover_block8", ["--mdm", f"{REAL_MDM_BLOCK8}/hf", "--base", f"{SMOLLM2}/hf", "--num-samples", "200",
                                "--num-validation", "20", "--select", "baselines",
