@@ -165,3 +165,35 @@ def flex_called(monkeypatch):
     register()
     monkeypatch.setitem(AttentionInterface._global_mapping, COMPILED_FLEX_BACKEND, spy)
     return FlexCalled
+
+
+def interrupt_evaluate(monkeypatch, module, after: int) -> list[int]:
+    """Patch ``module.evaluate`` (a benchmark's) to raise KeyboardInterrupt on call ``after + 1``, as a run
+    stopped mid-chunk; returns the problem count of every call made."""
+    evaluate, calls = module.evaluate, []
+
+    def stopping(model, tok, rows, decoder, **kwargs):
+        calls.append(len(rows))
+        if len(calls) > after:
+            raise KeyboardInterrupt
+        return evaluate(model, tok, rows, decoder, **kwargs)
+
+    monkeypatch.setattr(module, "evaluate", stopping)
+    return calls
+
+
+def stopped_after_first_chunk(monkeypatch, module, args: list[str], out_dir: Path, rows: int,
+                              problems: int) -> list[str]:
+    """``module.main(args)`` in chunks of one problem under ``out_dir``, stopped after the first chunk's
+    ``rows`` rows (each after its warm-up); checks that the table it left covers that chunk and says so, restores
+    ``module.evaluate`` and returns the chunked arguments, to run again."""
+    evaluate = module.evaluate
+    interrupt_evaluate(monkeypatch, module, after=2 * rows)
+    chunked = [*args, "--chunk-dir", str(out_dir / "chunks"), "--chunk-size", "1", "--out", str(out_dir / "c")]
+    with pytest.raises(KeyboardInterrupt):
+        module.main(chunked)
+    assert f"1 of {problems} problems done" in (out_dir / "c.md").read_text()
+    table = json.loads((out_dir / "c.json").read_text())
+    assert [r["num_samples"] for r in (table["test"] if isinstance(table, dict) else table)] == [1] * rows
+    monkeypatch.setattr(module, "evaluate", evaluate)
+    return chunked

@@ -14,7 +14,7 @@ import pytest
 from pardec.benchmarks import cover, idlm_isd, mdm_flashdlm
 from pardec.benchmarks.chunks import CHUNK_FILES, chunk_bounds, run_in_chunks
 from pardec.cli.reproduce import REAL, REAL_STEPS
-from tests.conftest import save_chat_checkpoint
+from tests.conftest import save_chat_checkpoint, stopped_after_first_chunk
 from tests.test_mdm_benchmarks_real_flags import chat_mdm_export
 
 
@@ -160,22 +160,7 @@ def test_mdm_flashdlm_in_chunks_equals_one_run(tmp_path, monkeypatch):
             "--rows", "ar,lowconf1,guided_shifted", "--template", "chat", "--threads", "1"]
     bench.main([*args, "--out", str(tmp_path / "one")])
 
-    evaluate, calls = bench.evaluate, []
-
-    def stop_on_second_chunk(model, tok, rows, decoder, **kwargs):
-        calls.append(len(rows))
-        if len(calls) > 6:  # 3 warm-ups and 3 rows of the first chunk, then the second chunk's first row
-            raise KeyboardInterrupt
-        return evaluate(model, tok, rows, decoder, **kwargs)
-
-    monkeypatch.setattr(bench, "evaluate", stop_on_second_chunk)
-    chunked = [*args, "--chunk-dir", str(tmp_path / "chunks"), "--chunk-size", "1", "--out", str(tmp_path / "c")]
-    with pytest.raises(KeyboardInterrupt):
-        bench.main(chunked)
-    assert "1 of 3 problems done" in (tmp_path / "c.md").read_text()
-    assert [r["num_samples"] for r in json.loads((tmp_path / "c.json").read_text())] == [1, 1, 1]
-
-    monkeypatch.setattr(bench, "evaluate", evaluate)
+    chunked = stopped_after_first_chunk(monkeypatch, bench, args, tmp_path, rows=3, problems=3)
     bench.main(chunked)
     one, pooled = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("one", "c"))
     assert "problems done" not in (tmp_path / "c.md").read_text()
@@ -307,3 +292,7 @@ def test_the_reproduce_commands_still_make_the_committed_chunks_fingerprints():
         tau = cover.choose_tau(committed["validation"], args.select, bar)["tau_draft"]  # the committed run's choice
         rows = cover.table_rows(args, tau)
         assert json.loads(json.dumps(cover.chunk_fingerprint(args, rows))) == committed_fingerprint(step_name)
+        if (REAL_CHUNKS / step_name / cover.VALIDATION_FILE).exists():  # kept since 2026-12-07
+            assert kept_fingerprint(step_name, cover.VALIDATION_FILE) == json.loads(json.dumps(
+                cover.validation_fingerprint(args)))
+    assert (REAL_CHUNKS / "cpu_cover_block8" / cover.VALIDATION_FILE).exists()

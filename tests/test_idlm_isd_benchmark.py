@@ -9,7 +9,7 @@ import json
 import pytest
 
 from pardec.benchmarks import idlm_isd
-from tests.conftest import save_chat_checkpoint
+from tests.conftest import interrupt_evaluate, save_chat_checkpoint, stopped_after_first_chunk
 from tests.train_utils import run_in_process
 
 
@@ -105,23 +105,8 @@ def test_risd_in_chunks_equals_one_run_and_resumes(tmp_path, monkeypatch):
             "--threads", "1", "--split", "val", "--no-bound"]
     idlm_isd.main([*args, "--out", str(tmp_path / "one")])
 
-    evaluate, calls = idlm_isd.evaluate, []
-
-    def stop_on_second_chunk(model, tok, rows, decoder, **kwargs):
-        calls.append(len(rows))
-        if len(calls) > 4:  # 2 warm-ups and 2 rows of the first chunk, then the second chunk's first row
-            raise KeyboardInterrupt
-        return evaluate(model, tok, rows, decoder, **kwargs)
-
-    monkeypatch.setattr(idlm_isd, "evaluate", stop_on_second_chunk)
-    chunked = [*args, "--chunk-dir", str(tmp_path / "chunks"), "--chunk-size", "1", "--out", str(tmp_path / "c")]
-    with pytest.raises(KeyboardInterrupt):
-        idlm_isd.main(chunked)
-    assert "1 of 3 problems done" in (tmp_path / "c.md").read_text()
-    assert [r["num_samples"] for r in json.loads((tmp_path / "c.json").read_text())] == [1, 1]
-
-    calls.clear()
-    monkeypatch.setattr(idlm_isd, "evaluate", lambda *a, **k: calls.append(len(a[2])) or evaluate(*a, **k))
+    chunked = stopped_after_first_chunk(monkeypatch, idlm_isd, args, tmp_path, rows=2, problems=3)
+    calls = interrupt_evaluate(monkeypatch, idlm_isd, after=6)
     idlm_isd.main(chunked)
     assert calls == [1, 1, 1, 1, 1, 1]  # the rows' warm-ups on the second chunk, then two chunks of two rows
     one, pooled = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("one", "c"))

@@ -165,6 +165,25 @@ def chunk_fingerprint(args: argparse.Namespace, rows: list[tuple[str, dict]]) ->
             "rows": [[label, decoder] for label, decoder in rows], **split}
 
 
+def validation_sweep(args: argparse.Namespace) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
+    """(label, decoder config) of the validation rows: COVER at every tau of ``--taus``, and the revocable
+    baselines WINO and Saber for ``--select baselines`` (else none)."""
+    common = common_settings(args)
+    tau_rows = [(f"COVER tau_draft={tau}", {"name": "cover", "draft_threshold": tau, **common})
+                for tau in (float(t) for t in args.taus.split(","))]
+    baseline_rows = ([(label, {**decoder, **common}) for label, decoder in REVOCABLE_BASELINES]
+                     if args.select == "baselines" else [])
+    return tau_rows, baseline_rows
+
+
+def validation_fingerprint(args: argparse.Namespace) -> dict:
+    """What the kept validation sweep is made by (``VALIDATION_FILE``; one of other settings is refused)."""
+    tau_rows, baseline_rows = validation_sweep(args)
+    return {"benchmark": "cover validation", "mdm": args.mdm, "num_validation": args.num_validation,
+            "template": args.template, "device": args.device, "dtype": args.dtype, "threads": args.threads,
+            "rows": [[label, decoder] for label, decoder in tau_rows + baseline_rows]}
+
+
 def metrics_row(records: list[dict], decoder: dict, tok, is_ar: bool = False) -> dict:
     """A row's columns from its records (every problem's): steps = the decoder's steps, else its forwards."""
     m = {**compute_metrics(records, is_ar), **build_decoder(decoder, tok).summarize(records)}
@@ -217,10 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     warmup = test.select(range(min(2, len(test))))
     common = common_settings(args)
 
-    tau_rows = [(f"COVER tau_draft={tau}", {"name": "cover", "draft_threshold": tau, **common})
-                for tau in (float(t) for t in args.taus.split(","))]
-    baseline_rows = [(label, {**decoder, **common}) for label, decoder in REVOCABLE_BASELINES] \
-        if args.select == "baselines" else []
+    tau_rows, baseline_rows = validation_sweep(args)
 
     def sweep() -> dict:
         """COVER at every tau (and, for ``--select baselines``, WINO and Saber) on the validation problems."""
@@ -235,10 +251,7 @@ def main(argv: list[str] | None = None) -> None:
         return {"tuning": tuning, "baselines": baselines_val, "machine": current_machine()}
 
     # Swept once per chunk directory (pardec.benchmarks.chunks.kept_in): a restart chooses the same tau at no cost.
-    val_fingerprint = {"benchmark": "cover validation", "mdm": args.mdm, "num_validation": args.num_validation,
-                       "template": args.template, "device": args.device, "dtype": args.dtype, "threads": args.threads,
-                       "rows": [[label, decoder] for label, decoder in tau_rows + baseline_rows]}
-    kept, kept_note = kept_in(args.chunk_dir, VALIDATION_FILE, val_fingerprint, sweep, [args.mdm])
+    kept, kept_note = kept_in(args.chunk_dir, VALIDATION_FILE, validation_fingerprint(args), sweep, [args.mdm])
     tuning, baselines_val, validation_machine = kept["tuning"], kept["baselines"], kept["machine"]
     baseline_accuracy = max((r["accuracy"] for r in baselines_val), default=None)
     tau = choose_tau(tuning, args.select, baseline_accuracy)["tau_draft"]
