@@ -44,7 +44,7 @@ Machine = dict[str, str | None]  # pardec.benchmarks.common.current_machine(): c
 # What the error for a chunk of another setting says (read_chunk); pardec.cli.reproduce looks for it in a
 # failed step's log to say how to decode anew.
 REFUSED = "was made by another setting"
-# The chunk files of a chunk directory (``<first>-<end>.json``), not what else a run keeps beside them (kept_result).
+# The chunk files of a chunk directory (``<first>-<end>.json``), not what else a run keeps beside them (kept_in).
 CHUNK_FILES = "[0-9]*-[0-9]*.json"
 
 

@@ -124,7 +124,7 @@ def alpha(records: list[dict]) -> float:
     return sum(r["alpha_sum"] for r in records) / tokens if tokens else float("nan")
 
 
-Row = tuple[str, str, dict, "int | None"]  # (label, model key, decoder config, ISD stride or None)
+Row = tuple[str, str, dict, int | None]  # (label, model key, decoder config, ISD stride or None)
 
 
 def greedy_config(args) -> dict:
