@@ -22,9 +22,10 @@ def problems(n: int) -> datasets.Dataset:
     return datasets.Dataset.from_list([{"prompt": f"p{i}"} for i in range(n)])
 
 
-def fake_rows(subset) -> dict[str, list[dict]]:
-    """Two rows whose records remember which prompt they decoded, numbered from 0 as evaluate does."""
-    return {key: [{"index": i, "prompt": row["prompt"], "row": key} for i, row in enumerate(subset)]
+def fake_rows(subset, first: int = 0) -> dict[str, list[dict]]:
+    """Two rows whose records remember which prompt they decoded, numbered from ``first`` as evaluate does
+    with ``first_index``."""
+    return {key: [{"index": first + i, "prompt": row["prompt"], "row": key} for i, row in enumerate(subset)]
             for key in ("a", "b")}
 
 
@@ -43,10 +44,10 @@ def test_chunk_bounds_cover_every_problem_once():
 def test_chunks_pool_to_one_run_and_resume(tmp_path):
     whole = fake_rows(problems(5))
     pooled = run_in_chunks(problems(5), 2, tmp_path, {"k": 1}, fake_rows)
-    assert pooled == whole  # problem indices shifted back to the full list's
+    assert pooled == whole  # every chunk numbered its problems from its first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0000-0002.json", "0002-0004.json", "0004-0005.json"]
 
-    def must_not_run(subset):
+    def must_not_run(subset, first):
         raise AssertionError("every chunk is saved: nothing to decode")
 
     assert run_in_chunks(problems(5), 2, tmp_path, {"k": 1}, must_not_run) == whole
@@ -54,17 +55,17 @@ def test_chunks_pool_to_one_run_and_resume(tmp_path):
     (tmp_path / "0002-0004.json").unlink()
     decoded = []
     resumed = run_in_chunks(problems(5), 2, tmp_path, {"k": 1},
-                            lambda subset: decoded.append(subset["prompt"]) or fake_rows(subset))
+                            lambda subset, first: decoded.append(subset["prompt"]) or fake_rows(subset, first))
     assert decoded == [["p2", "p3"]] and resumed == whole
 
 
 def test_a_stopped_run_keeps_finished_chunks_and_reports_progress(tmp_path):
     seen = []
 
-    def stops_at_second_chunk(subset):
+    def stops_at_second_chunk(subset, first):
         if subset[0]["prompt"] == "p2":
             raise KeyboardInterrupt
-        return fake_rows(subset)
+        return fake_rows(subset, first)
 
     with pytest.raises(KeyboardInterrupt):
         run_in_chunks(problems(5), 2, tmp_path, {"k": 1}, stops_at_second_chunk,
@@ -139,7 +140,7 @@ def test_chunks_name_checkpoints_by_content(tmp_path):
     saved = json.loads((chunks / "0000-0001.json").read_text())["fingerprint"]
     assert set(saved["checkpoint_sha256"][str(ckpt)]) == {"model.safetensors", "config.json"}
 
-    def must_not_run(subset):
+    def must_not_run(subset, first):
         raise AssertionError("the same bytes: nothing to decode")
 
     for name in ("model.safetensors", "README.md"):  # rewritten: same weights, another README

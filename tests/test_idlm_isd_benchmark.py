@@ -152,7 +152,22 @@ def test_the_val_choice_and_the_bound_are_kept_beside_the_chunks_and_read_on_res
         idlm_isd.main([*args[:args.index("--num-val") + 1], "1", *args[args.index("--num-val") + 2:]])
 
 
-def test_chunks_with_sampled_rows_are_refused(tmp_path):
-    with pytest.raises(SystemExit):
-        idlm_isd.parse_args(["--base", str(tmp_path), "--idlm", str(tmp_path), "--chunk-dir", str(tmp_path)])
-    assert idlm_isd.parse_args(["--base", "b", "--risd", "r", "--chunk-dir", "d"]).chunk_dir == "d"
+def test_sampled_rows_in_chunks_draw_what_one_run_draws(tmp_path):
+    """Each problem's sampling seed follows its number in the split, so sampled ISD decoded in chunks of one
+    problem commits the tokens one run commits (the table equal, time aside)."""
+    base = save_chat_checkpoint(tmp_path / "base")
+    result = run_in_process([
+        f"output_dir={tmp_path / 'run'}", "recipe=idlm", "model=hf", f"model.path={base}", "data.pack_length=512",
+        "recipe.stages=[{name: s2, max_steps: 1, overrides: {stride: 2}}]",
+    ])
+    args = ["--base", str(base), "--idlm", str(result.export_dir), "--num-samples", "3", "--strides", "2",
+            "--max-new-tokens", "8", "--temperature", "3.0", "--threads", "1", "--split", "val", "--no-bound"]
+    idlm_isd.main([*args, "--out", str(tmp_path / "one")])
+    idlm_isd.main([*args, "--chunk-dir", str(tmp_path / "chunks"), "--chunk-size", "1", "--out", str(tmp_path / "c")])
+    one, pooled = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("one", "c"))
+    assert [r["decoder"] for r in one][-1] == "ISD N=2 sample T=3.0"
+    timeless = ("tps", "tps_ratio")
+    assert [{k: v for k, v in r.items() if k not in timeless} for r in pooled] == \
+           [{k: v for k, v in r.items() if k not in timeless} for r in one]
+    saved = [json.loads(p.read_text())["rows"]["ISD N=2 sample T=3.0"] for p in sorted((tmp_path / "chunks").iterdir())]
+    assert [[r["index"] for r in records] for records in saved] == [[0], [1], [2]]  # numbered as in one run

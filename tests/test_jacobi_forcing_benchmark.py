@@ -147,3 +147,60 @@ def test_skipping_multiblock_refuses_choosing_its_n(tmp_path):
     with pytest.raises(SystemExit, match="--skip-rows multiblock"):
         main(["--base", str(tmp_path), "--round1", str(tmp_path), "--num-val", "2", "--choose-multiblock-n",
               "--skip-rows", "multiblock"])
+
+
+def test_jacobi_in_chunks_equals_one_run_and_keeps_its_val_choice(tmp_path, monkeypatch):
+    """The test rows pooled from chunks of one problem equal one run's, time aside: each problem's draft seed
+    follows its number in the split, so the random drafts (draft_init=context) and with them TPF are the same.
+    A run stopped after its first chunk leaves that chunk's table; a rerun decodes only the rest; read back
+    again it measures neither the val sweep nor the bound anew."""
+    import pardec.benchmarks.jacobi_forcing as bench
+    from pardec.benchmarks.common import identical
+    from tests.conftest import interrupt_evaluate
+
+    base = save_base_and_round1(tmp_path)
+    args = ["--base", str(base), "--round1", str(tmp_path / "round1"), "--num-samples", "3", "--max-new-tokens", "8",
+            "--num-val", "2", "--val-block-sizes", "4", "--wide-block-size", "0", "--no-training-table",
+            "--bound-repeats", "1", "--bound-cache", "8", "--template", "chat", "--threads", "1"]
+    main([*args, "--out", str(tmp_path / "one")])  # one n on val: the choice by TPS cannot differ between runs
+    one = json.loads((tmp_path / "one.json").read_text())
+    rows = len(one["decoding"])
+
+    # Stopped after the val sweep (a warm-up and a decode per row) and the first chunk's rows (likewise).
+    evaluate = bench.evaluate
+    interrupt_evaluate(monkeypatch, bench, after=2 * len(one["validation"]) + 2 * rows)
+    chunked = [*args, "--chunk-dir", str(tmp_path / "chunks"), "--chunk-size", "1", "--out", str(tmp_path / "c")]
+    with pytest.raises(KeyboardInterrupt):
+        main(chunked)
+    assert "1 of 3 problems done" in (tmp_path / "c.md").read_text()
+    assert [r["num_samples"] for r in json.loads((tmp_path / "c.json").read_text())["decoding"]] == [1] * rows
+    monkeypatch.setattr(bench, "evaluate", evaluate)
+    calls = interrupt_evaluate(monkeypatch, bench, after=3 * rows)
+    main(chunked)
+    assert calls == [1] * (3 * rows)  # the rows' warm-ups on the second chunk, then two chunks of every row
+    pooled = json.loads((tmp_path / "c.json").read_text())
+    timeless = ("tps", "tps_ratio", "bound", "share_of_bound")  # the bound's latencies are measured in each run
+    for got, want in zip(pooled["decoding"], one["decoding"], strict=True):
+        assert {k: v for k, v in got.items() if k not in timeless} == \
+               {k: v for k, v in want.items() if k not in timeless}
+    assert "problems done" not in (tmp_path / "c.md").read_text()
+    saved = [json.loads((tmp_path / "chunks" / f"{i:04d}-{i + 1:04d}.json").read_text())["rows"] for i in range(3)]
+    jacobi = pooled["chosen_labels"]["jacobi"]
+    assert all(identical(c[jacobi], c["AR greedy (round 1)"]) == 1.0 for c in saved)  # lossless on every chunk
+
+    def measured_again(*a, **k):
+        raise AssertionError("the validation sweep or the bound's latencies were measured again")
+
+    monkeypatch.setattr(bench, "measure", measured_again)
+    monkeypatch.setattr(bench, "forward_latencies", measured_again)
+    main(chunked)
+    again = json.loads((tmp_path / "c.json").read_text())
+    assert again == pooled  # read back, nothing decoded or measured: the same table, times and bound included
+    md = (tmp_path / "c.md").read_text()
+    assert f"read from {tmp_path / 'chunks' / bench.VALIDATION_FILE}" in md
+    assert f"t(q) read from {tmp_path / 'chunks' / bench.BOUND_FILE}" in md
+
+
+def test_chunks_need_no_training_table(tmp_path):
+    with pytest.raises(SystemExit, match="add --no-training-table"):
+        main(["--base", str(tmp_path), "--round1", str(tmp_path), "--chunk-dir", str(tmp_path / "chunks")])

@@ -145,8 +145,8 @@ def test_chunk_dir_moves_the_mdm_tables_chunks_and_is_for_real_only(pipeline, mo
     chunked = [s for s in reproduce.REAL_STEPS if "--chunk-dir" in s.command]
     assert {s.name: reproduce.chunk_dir_of(s) for s in chunked} == {
         name: f"{reproduce.REAL_CHUNKS}/{name}"
-        for name in ("cpu_risd", "cpu_idlm", "cpu_mdm_flashdlm", "cpu_cover", "cpu_mdm_flashdlm_block8",
-                     "cpu_cover_block8")}
+        for name in ("cpu_risd", "cpu_idlm", "cpu_jacobi_forcing", "cpu_mdm_flashdlm", "cpu_cover",
+                     "cpu_mdm_flashdlm_block8", "cpu_cover_block8")}
     for step in reproduce.REAL_STEPS:
         moved = reproduce.with_chunk_root(step, "elsewhere/chunks")
         if step in chunked:

@@ -77,6 +77,22 @@ def test_evaluate_sampling_measures_agreement_against_ar_greedy(tok_model):
     assert off["agreement_exact"] is None
 
 
+def test_a_split_decoded_in_parts_from_first_index_draws_what_one_call_draws(tok_model):
+    """``first_index`` numbers a part's problems (records and sampling seeds) as in one call over the whole
+    set: hot sampling decoded in two parts gives every problem the tokens one call gives it; numbered from 0
+    instead, the second part draws other tokens."""
+    tok, model = tok_model
+    rows = eval_set()
+    hot = {"name": "ar", "greedy": False, "temperature": 5.0, "max_new_tokens": 6, "batch_size": 1}
+    whole = evaluate(model, tok, rows, hot, agreement=False).records
+    cut = len(rows) // 2
+    parts = [*evaluate(model, tok, rows.select(range(cut)), hot, agreement=False).records,
+             *evaluate(model, tok, rows.select(range(cut, len(rows))), hot, agreement=False, first_index=cut).records]
+    assert [(r["index"], r["output_ids"]) for r in parts] == [(r["index"], r["output_ids"]) for r in whole]
+    from_zero = evaluate(model, tok, rows.select(range(cut, len(rows))), hot, agreement=False).records
+    assert [r["output_ids"] for r in from_zero] != [r["output_ids"] for r in whole[cut:]]
+
+
 def test_answer_scoring_uses_answer_column_or_response(tok_model):
     tok, model = tok_model
     rows = [{"prompt": "Question: what is 1 plus 2 ? Answer:", "response": "#### 3"}]

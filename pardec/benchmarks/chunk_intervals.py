@@ -4,7 +4,7 @@
 #   benchmarks/results/real/chunks/cpu_cover_block8 --out benchmarks/results/real/chunk_intervals
 """95% intervals for a chunked table's TPS ratios and accuracy gaps, from its saved chunks alone.
 
-A chunked benchmark (:mod:`pardec.benchmarks.chunks`: ``idlm_isd``, ``mdm_flashdlm``, ``cover``)
+A chunked benchmark (:mod:`pardec.benchmarks.chunks`: ``idlm_isd``, ``jacobi_forcing``, ``mdm_flashdlm``, ``cover``)
 decodes every row of its table on each chunk of problems in turn, so each chunk holds every row's
 committed tokens, decoding time and answers from the same few minutes of the machine's run. The chunks
 are the units resampled: a percentile bootstrap over chunks (``--resamples`` draws of as many chunks as
@@ -14,8 +14,8 @@ and 97.5th percentiles are the interval. The statistics, for every row:
 
 * TPS / base AR and TPS / baseline: (sum of committed tokens / sum of decoding time) of the row over
   the same of the reference row. The references are found by their decoder configs in the chunks'
-  fingerprint: base AR is the first ``ar`` row (the base's; an I-DLM table's own AR row comes after
-  it); the baseline is LLaDA low-confidence remasking at one token per step without FreeCache
+  fingerprint: base AR is the first ``ar`` row (the base's; an I-DLM or Jacobi Forcing table's own AR row comes
+  after it); the baseline is LLaDA low-confidence remasking at one token per step without FreeCache
   (``mdm_lowconf`` with neither ``freecache`` nor ``steps_per_block``). A table without a reference
   has "—" there.
 * accuracy gap: the row's accuracy minus base AR's on the same problems, in points (paired).

@@ -28,6 +28,7 @@ machine with the problems it decoded, "not recorded" for chunks written before c
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from collections.abc import Callable, Iterable
@@ -46,6 +47,13 @@ Machine = dict[str, str | None]  # pardec.benchmarks.common.current_machine(): c
 REFUSED = "was made by another setting"
 # The chunk files of a chunk directory (``<first>-<end>.json``), not what else a run keeps beside them (kept_in).
 CHUNK_FILES = "[0-9]*-[0-9]*.json"
+
+
+def add_chunk_args(p: argparse.ArgumentParser) -> None:
+    """A benchmark's ``--chunk-dir`` and ``--chunk-size`` (:func:`decode_all`)."""
+    p.add_argument("--chunk-dir", default=None,
+                   help="decode in chunks of problems saved here, resumed when run again (pardec.benchmarks.chunks)")
+    p.add_argument("--chunk-size", type=int, default=10, help="problems per chunk (with --chunk-dir)")
 
 
 def chunk_bounds(num_problems: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -92,14 +100,15 @@ def kept_in(chunk_dir: str | Path | None, name: str, fingerprint: dict[str, Any]
 
 
 def run_in_chunks(problems, chunk_size: int, chunk_dir: str | Path, fingerprint: dict[str, Any],
-                  run_chunk: Callable[[Any], Records],
+                  run_chunk: Callable[[Any, int], Records],
                   on_chunk: Callable[[Records, int, Machine], None] | None = None,
                   checkpoints: Iterable[str | Path] = ()) -> Records:
-    """Every row's records over ``problems`` (a ``datasets.Dataset``), decoded by ``run_chunk(subset)``
-    one chunk at a time, chunks found in ``chunk_dir`` read instead of decoded; records keep their
-    problem index (``index``) across chunks. ``on_chunk(records so far, problems done, machine)`` runs
-    after each chunk (decoded or read), e.g. to write the table so far, ``machine`` being
-    :func:`pooled_machine` of the chunks so far. The fingerprint gains the torch version and the
+    """Every row's records over ``problems`` (a ``datasets.Dataset``), decoded by ``run_chunk(subset, first)``
+    one chunk at a time, chunks found in ``chunk_dir`` read instead of decoded. ``first`` is the subset's
+    first problem number, for ``pardec.inference.evaluate``'s ``first_index``: each record keeps its problem's
+    ``index`` and a seeded decoder its problem's seed, as in one run over all problems. ``on_chunk(records so
+    far, problems done, machine)`` runs after each chunk (decoded or read), e.g. to write the table so far,
+    ``machine`` being :func:`pooled_machine` of the chunks so far. The fingerprint gains the torch version and the
     ``checkpoints``' digests (:func:`with_checkpoints`)."""
     fingerprint = with_checkpoints(fingerprint, checkpoints)
     chunk_dir = Path(chunk_dir)
@@ -111,10 +120,7 @@ def run_in_chunks(problems, chunk_size: int, chunk_dir: str | Path, fingerprint:
         if path.exists():
             rows, machine = read_chunk(path, fingerprint)
         else:
-            rows, machine = run_chunk(problems.select(range(first, end))), current_machine()
-            for records in rows.values():
-                for r in records:
-                    r["index"] += first  # evaluate numbers a subset's problems from 0
+            rows, machine = run_chunk(problems.select(range(first, end)), first), current_machine()
             write_chunk(path, fingerprint, rows, machine)
         for key, records in rows.items():
             pooled.setdefault(key, []).extend(records)
@@ -145,13 +151,13 @@ def pooled_machine(machines: list[tuple[int, int, Machine | None]]) -> Machine:
 
 
 def decode_all(problems, chunk_dir: str | Path | None, chunk_size: int, fingerprint: dict[str, Any],
-               run_chunk: Callable[[Any], Records], write_table: Callable[[Records, int, Machine], None],
+               run_chunk: Callable[[Any, int], Records], write_table: Callable[[Records, int, Machine], None],
                checkpoints: Iterable[str | Path] = ()) -> None:
     """A benchmark's decoding: every problem in one go when ``chunk_dir`` is None, else in chunks
     (:func:`run_in_chunks`, the chunks naming ``checkpoints`` by content); ``write_table(records,
     problems done, machine that decoded them)`` after each."""
     if chunk_dir is None:
-        write_table(run_chunk(problems), len(problems), current_machine())
+        write_table(run_chunk(problems, 0), len(problems), current_machine())
     else:
         run_in_chunks(problems, chunk_size, chunk_dir, fingerprint, run_chunk, on_chunk=write_table,
                       checkpoints=checkpoints)

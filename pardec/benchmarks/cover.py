@@ -40,7 +40,7 @@ import json
 
 import torch
 
-from pardec.benchmarks.chunks import decode_all, kept_in, progress_note
+from pardec.benchmarks.chunks import add_chunk_args, decode_all, kept_in, progress_note
 from pardec.benchmarks.common import (
     RESULTS,
     add_runtime_args,
@@ -98,10 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", default=None, type=row_keys,
                    help=f"comma-separated test rows to decode ({', '.join(ROW_KEYS)}), or all")
     add_runtime_args(p, threads=1)
-    p.add_argument("--chunk-dir", default=None,
-                   help="decode the test rows in chunks of problems saved here, resumed when run again "
-                        "(pardec.benchmarks.chunks)")
-    p.add_argument("--chunk-size", type=int, default=10, help="problems per chunk (with --chunk-dir)")
+    add_chunk_args(p)
     p.add_argument("--out", default=str(RESULTS / "cover"))
     args = p.parse_args(argv)
     if args.rows and "ar" in args.rows and not args.base:
@@ -195,9 +192,10 @@ def metrics_row(records: list[dict], decoder: dict, tok, is_ar: bool = False) ->
     }
 
 
-def decode(model, tok, problems, decoder: dict, template: str = "auto") -> list[dict]:
-    """``problems`` decoded by ``decoder``: the records, in problem order."""
-    result = evaluate(model, tok, problems, decoder, template=template, agreement=False, shard=False)
+def decode(model, tok, problems, decoder: dict, template: str = "auto", first_index: int = 0) -> list[dict]:
+    """``problems`` decoded by ``decoder``: the records, in problem order (numbered from ``first_index``)."""
+    result = evaluate(model, tok, problems, decoder, template=template, agreement=False, shard=False,
+                      first_index=first_index)
     return sorted(result.records, key=lambda r: r["index"])
 
 
@@ -259,15 +257,15 @@ def main(argv: list[str] | None = None) -> None:
     rows = table_rows(args, tau)
     warmed = set()
 
-    def run_chunk(problems) -> dict[str, list[dict]]:
-        """Every test row on ``problems``, one after the other."""
+    def run_chunk(problems, first: int) -> dict[str, list[dict]]:
+        """Every test row on ``problems`` (the first numbered ``first``), one after the other."""
         records = {}
         for label, decoder in rows:
             which, which_tok = base if label == AR_LABEL else (model, tok)
             if label not in warmed:  # once per row and process: untimed
                 decode(which, which_tok, warmup, decoder, args.template)
                 warmed.add(label)
-            records[label] = decode(which, which_tok, problems, decoder, args.template)
+            records[label] = decode(which, which_tok, problems, decoder, args.template, first)
         return records
 
     def write_table(records: dict[str, list[dict]], done: int, machine: dict) -> None:

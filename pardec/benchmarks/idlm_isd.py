@@ -29,8 +29,8 @@ when the same command runs again; the table, of the problems done so far, is rew
 (``pardec.benchmarks.chunks``), alpha pooled from each record's introspection. With ``--num-val`` the
 sweep and the N it chose are kept beside the chunks (``validation.json``) and read on restart, so a restart
 decodes the same rows (the TPS-based choice could otherwise change); so are the bound's latencies
-(``bound.json``), so that a table read back from its chunks is the same table. Sampled rows need one decode call
-(their seeds follow the problem's place in it): with ``--idlm``, chunks need ``--no-sample``.
+(``bound.json``), so that a table read back from its chunks is the same table. A sampled row seeds each problem
+by its number in the split, so in chunks it draws what one run draws.
 ``--cuda-graphs`` runs every row, AR included, over a static cache with each step width captured once
 as a CUDA graph (``pardec.inference.decoders.decode_steps``), so that on a GPU TPS follows TPF.
 
@@ -50,7 +50,7 @@ import json
 
 import torch
 
-from pardec.benchmarks.chunks import decode_all, kept_in, progress_note
+from pardec.benchmarks.chunks import add_chunk_args, decode_all, kept_in, progress_note
 from pardec.benchmarks.common import (
     RESULTS,
     add_bound_args,
@@ -94,15 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-sample", action="store_true", help="greedy ISD rows only")
     add_runtime_args(p)
     add_bound_args(p, "2N-1")
-    p.add_argument("--chunk-dir", default=None,
-                   help="decode in chunks of problems saved here, resumed when run again (pardec.benchmarks.chunks)")
-    p.add_argument("--chunk-size", type=int, default=10, help="problems per chunk (with --chunk-dir)")
+    add_chunk_args(p)
     p.add_argument("--out", default=str(RESULTS / "idlm_isd"))
-    args = p.parse_args(argv)
-    if args.chunk_dir and args.idlm and not args.no_sample:
-        p.error("--chunk-dir needs --no-sample with --idlm: a sampled row seeds each problem by its place in one "
-                "decode call, which chunks would change")
-    return args
+    return p.parse_args(argv)
 
 
 def introspection(model, tokenizer, record: dict, stride: int, template: str) -> tuple[float, int]:
@@ -159,11 +153,11 @@ def table_rows(args, strides: list[int], risd_stride: int | None) -> list[Row]:
     return rows
 
 
-def decode_rows(args, models, problems, rows, warmed: set[str]) -> dict[str, list[dict]]:
-    """Every row of ``rows`` (``(label, model key, decoder config, stride)``) on ``problems``, one row after
-    the other; records by label in index order, each ISD record with its introspection (untimed). A row
-    not in ``warmed`` first decodes the first two problems untimed (first-call allocations would otherwise
-    slow it down) and joins it."""
+def decode_rows(args, models, problems, rows, warmed: set[str], first: int = 0) -> dict[str, list[dict]]:
+    """Every row of ``rows`` (``(label, model key, decoder config, stride)``) on ``problems`` (the first
+    numbered ``first``), one row after the other; records by label in index order, each ISD record with its
+    introspection (untimed). A row not in ``warmed`` first decodes the first two problems untimed (first-call
+    allocations would otherwise slow it down) and joins it."""
     records = {}
     warmup = problems.select(range(min(2, len(problems))))
     for label, which, decoder, stride in rows:
@@ -172,7 +166,7 @@ def decode_rows(args, models, problems, rows, warmed: set[str]) -> dict[str, lis
             evaluate(model, tok, warmup, decoder, template=args.template, agreement=False, shard=False)
             warmed.add(label)
         result = evaluate(model, tok, problems, decoder, template=args.template, agreement=False, shard=False,
-                          progress=True)
+                          progress=True, first_index=first)
         records[label] = sorted(result.records, key=lambda r: r["index"])
         for r in records[label] if stride else ():
             r["alpha_sum"], r["alpha_tokens"] = introspection(model, tok, r, stride, args.template)
@@ -318,7 +312,8 @@ def main(argv: list[str] | None = None) -> None:
         write_results(args.out, command, md, payload, machine=machine)
 
     decode_all(eval_rows, args.chunk_dir, args.chunk_size, chunk_fingerprint(args, rows),
-               lambda problems: decode_rows(args, models, problems, rows, warmed), write_table, checkpoints)
+               lambda problems, first: decode_rows(args, models, problems, rows, warmed, first), write_table,
+               checkpoints)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,15 @@ phase also runs the last round's multi-block at every n, and multi-block's n is 
 same rule among those rows (``chosen_multiblock_block_size``, ``multiblock_choice_rule``; without it
 multi-block decodes at Jacobi's n, and ``chosen_multiblock_block_size`` is that n).
 
+``--chunk-dir DIR``: the test rows decoded ``--chunk-size`` problems at a time, every row on each chunk in turn
+(so a drift of the machine's speed reaches a row and its reference alike), each chunk saved in DIR and skipped
+when the same command runs again; the table of the problems done so far is rewritten after every chunk
+(``pardec.benchmarks.chunks``). Each problem's draft seed follows its number in the split, so the chunks decode
+what one run decodes. The val sweep with the n it chose (``validation.json``) and the bound's latencies
+(``bound.json``) are kept beside the chunks and read on restart: a restart decodes the same rows, and a table read
+back from its chunks is the same table. Table 2 times training steps, not decoding: chunks need
+``--no-training-table``.
+
 A shorter test table (``--skip-rows``): ``base-jacobi`` drops the untrained base's Jacobi row,
 ``multiblock`` every multi-block row; what is left still answers accuracy, losslessness (each round's
 Jacobi against its own AR greedy), TPF and TPS / base AR. The markdown names the rows skipped, the JSON
@@ -83,6 +92,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from pardec.benchmarks.chunks import add_chunk_args, decode_all, kept_in, progress_note
 from pardec.benchmarks.common import (
     RESULTS,
     add_bound_args,
@@ -108,11 +118,15 @@ from pardec.data_pipelines.tokenize import format_prompt_ids
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.jacobi import resolve_block_size
 from pardec.inference.evaluate import evaluate
+from pardec.inference.metrics import compute_metrics
 from pardec.losses.jacobi import jacobi_forcing_loss
 from pardec.methods.base import forward_logits
 
 AR_WEIGHT = 30.0  # pardec/recipes/experiment/jacobi_forcing_default.yaml
 SKIPPABLE_ROWS = ("base-jacobi", "multiblock")
+VALIDATION_FILE = "validation.json"  # beside the chunks: the --num-val sweep and the n it chose
+BOUND_FILE = "bound.json"  # beside the chunks: the forward latencies t(q) of the bound
+Row = tuple[str, str, dict]  # (label, model key, decoder config)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -149,6 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="leave these rows out of the tables: the untrained base's Jacobi row, every multi-block row")
     add_runtime_args(p)
     add_bound_args(p, "n")
+    add_chunk_args(p)
     p.add_argument("--out", default=str(RESULTS / "jacobi_forcing"))
     return p.parse_args(argv)
 
@@ -242,19 +257,32 @@ def choose_block_size(val_table: list[dict], decoder: str = "jacobi") -> tuple[i
     return best["decoder_config"]["block_size"], rule
 
 
-def decoding_table(args, models: dict, eval_rows, rows: list[tuple[str, str, dict]], latency: dict) -> list[dict]:
-    """Every row of ``rows`` on ``eval_rows``; TPS ratios to the first (the base's AR greedy)."""
-    table, own_ar = [], {}
-    warmup = eval_rows.select(range(min(2, len(eval_rows))))
+def decode_rows(args, models, problems, rows: list[Row], warmed: set[str], first: int = 0) -> dict[str, list[dict]]:
+    """Every row of ``rows`` on ``problems`` (the first numbered ``first``), one after the other; records by
+    label in index order. A row not in ``warmed`` first decodes the first two problems untimed (first-call
+    allocations and lazy initialisation would otherwise slow it down) and joins it."""
+    records = {}
+    warmup = problems.select(range(min(2, len(problems))))
     for label, which, decoder in rows:
         model, tok = models[which]
-        # Untimed warm-up (first-call allocations and lazy initialisation would bias the first row).
-        evaluate(model, tok, warmup, decoder, template=args.template, agreement=False, shard=False)
-        result = evaluate(model, tok, eval_rows, decoder, template=args.template, agreement=False, shard=False,
-                          progress=True)
-        m, recs = result.metrics, sorted(result.records, key=lambda r: r["index"])
+        if label not in warmed:
+            evaluate(model, tok, warmup, decoder, template=args.template, agreement=False, shard=False)
+            warmed.add(label)
+        result = evaluate(model, tok, problems, decoder, template=args.template, agreement=False, shard=False,
+                          progress=True, first_index=first)
+        records[label] = sorted(result.records, key=lambda r: r["index"])
+    return records
+
+
+def table_of(rows: list[Row], records: dict[str, list[dict]], latency: dict) -> list[dict]:
+    """One table row per entry of ``rows`` from its (pooled) records, in order: each model's AR greedy comes
+    before its parallel rows (their reference), the first row is the base's (the TPS ratios' reference)."""
+    table, own_ar = [], {}
+    for label, which, decoder in rows:
+        recs = records[label]
+        m = compute_metrics(recs, decoder["name"] == "ar")
         if decoder["name"] == "ar":
-            own_ar[which] = recs  # every model's AR greedy row comes before its parallel rows
+            own_ar[which] = recs
         row = {
             "decoder": label, "model": which, "decoder_config": decoder, "accuracy": m["accuracy"],
             "identical_to_own_ar": identical(recs, own_ar[which]),
@@ -266,8 +294,28 @@ def decoding_table(args, models: dict, eval_rows, rows: list[tuple[str, str, dic
         row["bound"] = m["tpf"] * latency[1] / latency[n] if n and latency else None
         row["share_of_bound"] = row["tps_ratio"] / row["bound"] if row["bound"] else None
         table.append(row)
+    return table
+
+
+def measure(args, models, eval_rows, rows: list[Row], latency: dict) -> list[dict]:
+    """The table of ``rows`` on ``eval_rows`` decoded in one go (the validation rows)."""
+    table = table_of(rows, decode_rows(args, models, eval_rows, rows, set()), latency)
+    for row in table:
         print(json.dumps(row), flush=True)
     return table
+
+
+def chunk_fingerprint(args, rows: list[Row]) -> dict:
+    """What the chunks are made by (pardec.benchmarks.chunks: a chunk of another setting is refused)."""
+    return {"benchmark": "jacobi_forcing", "base": args.base, "round1": args.round1, "round2": args.round2,
+            "split": args.split, "template": args.template, "device": args.device, "dtype": args.dtype,
+            "threads": args.threads, "rows": [[label, decoder] for label, _, decoder in rows]}  # labels name the model
+
+
+def bound_fingerprint(args, widths: list[int]) -> dict:
+    """What the bound's latencies are measured with (kept beside the chunks, ``BOUND_FILE``)."""
+    return {"benchmark": "jacobi_forcing bound", "base": args.base, "widths": widths, "bound_cache": args.bound_cache,
+            "bound_repeats": args.bound_repeats, "device": args.device, "dtype": args.dtype, "threads": args.threads}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,48 +463,11 @@ def markdown(table: list[dict], bound: bool) -> list[str]:
     ]
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.num_val and args.split == "val":
-        raise SystemExit("--num-val chooses n on val to report on test: drop --split val")
-    if args.choose_multiblock_n and "multiblock" in args.skip_rows:
-        raise SystemExit("--choose-multiblock-n chooses the n of rows that --skip-rows multiblock leaves out: drop one")
-    torch.set_num_threads(args.threads)
-    eval_rows = split_rows(args.split, args.num_samples)
-
-    names = ["base", "round1"] + (["round2"] if args.round2 else [])
-    models = {name: load_checkpoint(getattr(args, name), device=args.device, dtype=args.dtype) for name in names}
-    trained = {r: trained_block_size(models[r][0], getattr(args, r)) for r in names[1:]}
-    val_rows = validation_rows_for_n(args, trained) if args.num_val else []
-    widths = {d["block_size"] for _, _, d in [*val_rows, *decoding_rows(args, trained, None)] if d["name"] == "jacobi"}
-    latency = {} if args.no_bound else forward_latencies(models["base"][0], [1, *sorted(widths)], args.bound_cache,
-                                                         args.bound_repeats)
-    validation, chosen, rule, chosen_multiblock, multiblock_rule = None, None, None, None, None
-    if args.num_val:
-        validation = decoding_table(args, models, validation_rows(args.num_val), val_rows, latency)
-        chosen, rule = choose_block_size(validation)
-        if args.choose_multiblock_n:
-            chosen_multiblock, multiblock_rule = choose_block_size(validation, "multiblock")
-    rows = decoding_rows(args, trained, chosen, chosen_multiblock)
-    table = decoding_table(args, models, eval_rows, rows, latency)
-    efficiency = None if args.no_training_table else efficiency_table(args, *models["base"])
-
-    bound = not args.no_bound
-    lines = []
-    if validation is not None:
-        multiblock_choice = (f"; multi-block's n chosen here: {chosen_multiblock}, {multiblock_rule}"
-                             if chosen_multiblock else "")
-        lines += [f"Validation split ({args.num_val} problems of the generator's val split; n chosen here: {chosen}, "
-                  f"{rule}{multiblock_choice}):", "", *markdown(validation, bound), "",
-                  f"{split_label(args.split).capitalize()}:", ""]
-    lines += markdown(table, bound)
-    lines.append(f"\n{len(eval_rows)} {args.split} problems, batch 1, {args.dtype} on {args.device}, "
-                 f"<= {args.max_new_tokens} new tokens, template {args.template}."
-                 + (f" Rows skipped (--skip-rows): {', '.join(args.skip_rows)}." if args.skip_rows else ""))
-    e = efficiency
-    lines += [] if e is None else [
+def efficiency_lines(e: dict, repeats: int) -> list[str]:
+    """Table 2's markdown."""
+    return [
         "",
-        f"Training step (forward + L_pc + {AR_WEIGHT:g} L_AR + backward, base model, median of {args.train_repeats}): "
+        f"Training step (forward + L_pc + {AR_WEIGHT:g} L_AR + backward, base model, median of {repeats}): "
         f"one micro-batch of {e['samples']} samples, n={e['block_size']}, w={e['window']}.",
         "",
         "| blocks / sample (mean, max) | packed: forwards, rows x length, time | naive per-block: forwards, time "
@@ -467,22 +478,93 @@ def main(argv: list[str] | None = None) -> None:
         f"{e['ratio']:.1f}x | {e['goal']:.2f} ({'met' if e['meets_goal'] else 'NOT met'}) | "
         f"{e['packed_loss']:.4f} / {e['naive_loss']:.4f} |",
     ]
-    md = "\n".join(lines)
-    print(md)
-    command = invoked_command("pardec.benchmarks.jacobi_forcing")
-    payload = {"command": command, "decoding": table, "training_efficiency": efficiency,
-               "skipped_rows": args.skip_rows}
-    if validation is not None:
-        last = names[-1]
-        labels = {"jacobi": jacobi_label(chosen, last, trained[last]),
-                  "multiblock": multiblock_row(args, chosen_multiblock or chosen, last)[0]}
-        ran = {r["decoder"] for r in table}
-        payload.update(validation=validation, chosen_block_size=chosen, choice_rule=rule,
-                       chosen_labels={kind: label for kind, label in labels.items() if label in ran})
-        if "multiblock" not in args.skip_rows:  # no n for a decoder that did not run
-            payload.update(chosen_multiblock_block_size=chosen_multiblock or chosen,
-                           multiblock_choice_rule=multiblock_rule)
-    write_results(args.out, command, md, payload)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.num_val and args.split == "val":
+        raise SystemExit("--num-val chooses n on val to report on test: drop --split val")
+    if args.choose_multiblock_n and "multiblock" in args.skip_rows:
+        raise SystemExit("--choose-multiblock-n chooses the n of rows that --skip-rows multiblock leaves out: drop one")
+    if args.chunk_dir and not args.no_training_table:
+        raise SystemExit("--chunk-dir decodes table 1 in chunks; table 2 times training steps, not decoding: "
+                         "add --no-training-table")
+    torch.set_num_threads(args.threads)
+    eval_rows = split_rows(args.split, args.num_samples)
+
+    names = ["base", "round1"] + (["round2"] if args.round2 else [])
+    models = {name: load_checkpoint(getattr(args, name), device=args.device, dtype=args.dtype) for name in names}
+    trained = {r: trained_block_size(models[r][0], getattr(args, r)) for r in names[1:]}
+    checkpoints = [getattr(args, name) for name in names]
+    val_rows = validation_rows_for_n(args, trained) if args.num_val else []
+    widths = [1, *sorted({d["block_size"] for _, _, d in [*val_rows, *decoding_rows(args, trained, None)]
+                          if d["name"] == "jacobi"})]
+
+    def probe() -> dict[int, float]:
+        return forward_latencies(models["base"][0], widths, args.bound_cache, args.bound_repeats)
+
+    latency, bound_note = {}, ""
+    if not args.no_bound:  # measured once per chunk directory: a table read back keeps its bound
+        kept, note = kept_in(args.chunk_dir, BOUND_FILE, bound_fingerprint(args, widths), probe, [args.base])
+        latency = {int(width): seconds for width, seconds in kept.items()}  # JSON keys are strings once read back
+        bound_note = f" t(q) {note}." if note else ""
+    validation, chosen, rule, chosen_multiblock, multiblock_rule, kept_note = None, None, None, None, None, ""
+    if args.num_val:
+
+        def sweep() -> dict:
+            table = measure(args, models, validation_rows(args.num_val), val_rows, latency)
+            return {"table": table, "choice": choose_block_size(table),
+                    "multiblock_choice": choose_block_size(table, "multiblock") if args.choose_multiblock_n else None}
+
+        # chosen once per chunk directory: a restart decodes the same rows
+        val_fingerprint = {**chunk_fingerprint(args, val_rows), "split": "val", "num_val": args.num_val}
+        kept, note = kept_in(args.chunk_dir, VALIDATION_FILE, val_fingerprint, sweep, checkpoints)
+        kept_note = f", {note}" if note else ""
+        validation, (chosen, rule) = kept["table"], kept["choice"]
+        chosen_multiblock, multiblock_rule = kept["multiblock_choice"] or (None, None)
+    rows = decoding_rows(args, trained, chosen, chosen_multiblock)
+    command, warmed, bound = invoked_command("pardec.benchmarks.jacobi_forcing", argv), set(), not args.no_bound
+
+    def write_table(records: dict[str, list[dict]], done: int, machine: dict) -> None:
+        table = table_of(rows, records, latency)
+        for row in table:
+            print(json.dumps(row), flush=True)
+        efficiency = None
+        if not args.no_training_table and done == len(eval_rows):  # after the decoding (no chunks: refused)
+            efficiency = efficiency_table(args, *models["base"])
+        lines = []
+        if validation is not None:
+            multiblock_choice = (f"; multi-block's n chosen here: {chosen_multiblock}, {multiblock_rule}"
+                                 if chosen_multiblock else "")
+            lines += [f"Validation split ({args.num_val} problems of the generator's val split{kept_note}; n chosen "
+                      f"here: {chosen}, {rule}{multiblock_choice}):", "", *markdown(validation, bound), "",
+                      f"{split_label(args.split).capitalize()}:", ""]
+        lines += markdown(table, bound)
+        lines.append(f"\n{done} {args.split} problems, batch 1, {args.dtype} on {args.device}, "
+                     f"<= {args.max_new_tokens} new tokens, template {args.template}"
+                     f"{progress_note(args.chunk_dir, args.chunk_size, done, len(eval_rows))}."
+                     + (f" Rows skipped (--skip-rows): {', '.join(args.skip_rows)}." if args.skip_rows else "")
+                     + bound_note)
+        lines += [] if efficiency is None else efficiency_lines(efficiency, args.train_repeats)
+        md = "\n".join(lines)
+        print(md, flush=True)
+        payload = {"command": command, "decoding": table, "training_efficiency": efficiency,
+                   "skipped_rows": args.skip_rows}
+        if validation is not None:
+            last = names[-1]
+            labels = {"jacobi": jacobi_label(chosen, last, trained[last]),
+                      "multiblock": multiblock_row(args, chosen_multiblock or chosen, last)[0]}
+            ran = {r["decoder"] for r in table}
+            payload.update(validation=validation, chosen_block_size=chosen, choice_rule=rule,
+                           chosen_labels={kind: label for kind, label in labels.items() if label in ran})
+            if "multiblock" not in args.skip_rows:  # no n for a decoder that did not run
+                payload.update(chosen_multiblock_block_size=chosen_multiblock or chosen,
+                               multiblock_choice_rule=multiblock_rule)
+        write_results(args.out, command, md, payload, machine=machine)
+
+    decode_all(eval_rows, args.chunk_dir, args.chunk_size, chunk_fingerprint(args, rows),
+               lambda problems, first: decode_rows(args, models, problems, rows, warmed, first), write_table,
+               checkpoints)
 
 
 if __name__ == "__main__":

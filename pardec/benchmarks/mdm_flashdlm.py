@@ -33,7 +33,7 @@ import argparse
 
 import torch
 
-from pardec.benchmarks.chunks import decode_all, progress_note
+from pardec.benchmarks.chunks import add_chunk_args, decode_all, progress_note
 from pardec.benchmarks.common import (
     RESULTS,
     add_runtime_args,
@@ -65,9 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threshold", type=float, default=0.9)
     p.add_argument("--rows", default="all", help="comma-separated row keys to run (see ROWS), or all")
     add_runtime_args(p)
-    p.add_argument("--chunk-dir", default=None,
-                   help="decode in chunks of problems saved here, resumed when run again (pardec.benchmarks.chunks)")
-    p.add_argument("--chunk-size", type=int, default=10, help="problems per chunk (with --chunk-dir)")
+    add_chunk_args(p)
     p.add_argument("--out", default=str(RESULTS / "mdm_flashdlm"))
     return p.parse_args(argv)
 
@@ -165,8 +163,9 @@ def main(argv: list[str] | None = None) -> None:
 
     warmup, warmed = eval_rows.select(range(min(2, len(eval_rows)))), set()
 
-    def run_chunk(problems) -> dict[str, list[dict]]:
-        """Every selected row on ``problems``, one after the other (records in index order)."""
+    def run_chunk(problems, first: int) -> dict[str, list[dict]]:
+        """Every selected row on ``problems`` (the first numbered ``first``), one after the other (records in
+        index order)."""
         records = {}
         for key, _, which, decoder in selected:
             model, tok = models[which]
@@ -175,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
             if key not in warmed:  # once per row and process: untimed
                 evaluate(model, tok, warmup, decoder, **kwargs)
                 warmed.add(key)
-            result = evaluate(model, tok, problems, decoder, progress=True, **kwargs)
+            result = evaluate(model, tok, problems, decoder, progress=True, first_index=first, **kwargs)
             records[key] = sorted(result.records, key=lambda r: r["index"])
         return records
 

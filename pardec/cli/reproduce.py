@@ -170,11 +170,12 @@ REAL_STEPS: tuple[Step, ...] = (
                            "--out", f"{REAL}/cpu_refusion"], (SMOLLM2, REAL_REFUSION),
           module="pardec.benchmarks.refusion"),
     train("smollm2_jacobi_forcing_lora_1500", "00-round1"),
-    # One round (the conversion's budget); n chosen among 4, 8, 16 on 30 val problems (for TPS), no training-cost
-    # table (an embedded-default result).
+    # One round (the conversion's budget); n chosen among 4, 8, 16 on 30 val problems (for TPS; the choice kept beside
+    # the chunks), no training-cost table (an embedded-default result); the test rows in chunks of 10.
     bench("cpu_jacobi_forcing", ["--base", f"{SMOLLM2}/hf", "--round1", f"{REAL_JACOBI}/hf", "--wide-block-size", "0",
-                                 "--num-val", "30", "--val-block-sizes", "4", "8", "16",
-                                 "--no-training-table", "--threads", "2", "--out", f"{REAL}/cpu_jacobi_forcing"],
+                                 "--num-val", "30", "--val-block-sizes", "4", "8", "16", "--no-training-table",
+                                 "--chunk-dir", f"{REAL_CHUNKS}/cpu_jacobi_forcing", "--chunk-size", "10",
+                                 "--threads", "2", "--out", f"{REAL}/cpu_jacobi_forcing"],
           (SMOLLM2, REAL_JACOBI), module="pardec.benchmarks.jacobi_forcing"),
     train("smollm2_mdm_lora_2000"),
     # Sized for the 2-core CPU, where the LLaDA baseline, WINO, Saber and COVER run one full-sequence forward

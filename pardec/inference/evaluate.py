@@ -82,13 +82,16 @@ def evaluate(
     shard: bool = True,
     progress: bool = False,
     auxiliary: Mapping[str, Any] | None = None,
+    first_index: int = 0,
 ) -> EvalResult:
     """Decode ``eval_dataset`` (columns ``prompt``, ``response``, optional ``answer``) and score it.
 
     ``decoder_cfg`` is a decoder config (e.g. ``{"name": "ar", "max_new_tokens": 128,
     "batch_size": 16}``), validated by ``pardec.inference.decoders.registry``. The model's train/eval
     mode is restored on return. ``auxiliary``: the models the decoder's config names (see
-    ``Decoder.auxiliary_fields``), keyed by config field.
+    ``Decoder.auxiliary_fields``), keyed by config field. ``first_index``: the problem number of the
+    dataset's first row; the records' ``index`` and each problem's seed count from it, so a split decoded
+    in parts (``pardec.benchmarks.chunks``) gives every problem the index and seed it has in one call.
     """
     decoder = build_decoder(decoder_cfg, tokenizer)
     metadata = CheckpointMetadata.of_model(model)
@@ -96,8 +99,9 @@ def evaluate(
     decoder.use_auxiliary(auxiliary or {})
     template = resolve_template(tokenizer, template)  # a chat template the tokenizer lacks is named here
     ctx = current() if shard else DistInfo()
-    indices = shard_indices(len(eval_dataset), ctx)
-    rows = [eval_dataset[i] for i in indices]
+    local = shard_indices(len(eval_dataset), ctx)
+    rows = [eval_dataset[i] for i in local]
+    indices = [first_index + i for i in local]
     prompts = [encode_prompt(tokenizer, row["prompt"], template, add_bos, i) for i, row in zip(indices, rows)]
     eos = eos_token_ids(model, tokenizer)
     show = progress and ctx.is_main
