@@ -11,8 +11,8 @@ from pathlib import Path
 import datasets
 import pytest
 
-from pardec.benchmarks import cover, idlm_isd, mdm_flashdlm
-from pardec.benchmarks.chunks import CHUNK_FILES, chunk_bounds, run_in_chunks
+from pardec.benchmarks import cover, idlm_isd, jacobi_forcing, mdm_flashdlm
+from pardec.benchmarks.chunks import BOUND_FILE, CHUNK_FILES, bound_fingerprint, chunk_bounds, run_in_chunks
 from pardec.cli.reproduce import REAL, REAL_STEPS
 from tests.conftest import save_chat_checkpoint, stopped_after_first_chunk
 from tests.test_mdm_benchmarks_real_flags import chat_mdm_export
@@ -256,18 +256,19 @@ def step_args(step_name: str) -> list[str]:
 # commands default to
 MDM_BLOCK = 2
 MDM_BLOCK8 = 8  # that of smollm2_mdm_lora_2000_block8 (the block-8 FlashDLM and COVER tables')
+JACOBI_ROUND1_BLOCK = 8  # the round-1 block size of experiment smollm2_jacobi_forcing_lora_1500 (its trained n)
 
 
 def test_the_reproduce_commands_still_make_the_committed_chunks_fingerprints():
     """``pardec.cli.reproduce --real`` goes on from the committed chunks only when its commands fingerprint
     them as they were made (a new config key, even at its default, would have every chunk refused): the
-    R-ISD, FlashDLM and COVER tables' settings today against their first chunk's (the torch version and the
-    checkpoints' digests, added when decoding, aside)."""
+    R-ISD, I-DLM, Jacobi Forcing, FlashDLM and COVER tables' settings today against their first chunk's (the
+    torch version and the checkpoints' digests, added when decoding, aside)."""
     args = idlm_isd.parse_args(step_args("cpu_risd"))
     stride = json.loads((REAL_CHUNKS.parent / "cpu_risd.json").read_text())[-1]["stride"]  # the gated LoRA's
     rows = idlm_isd.table_rows(args, args.strides, stride)
     assert json.loads(json.dumps(idlm_isd.chunk_fingerprint(args, rows))) == committed_fingerprint("cpu_risd")
-    assert kept_fingerprint("cpu_risd", idlm_isd.BOUND_FILE) == idlm_isd.bound_fingerprint(args, [1, 2 * stride - 1])
+    assert kept_fingerprint("cpu_risd", BOUND_FILE) == bound_fingerprint(args, "idlm_isd", [1, 2 * stride - 1])
 
     args = idlm_isd.parse_args(step_args("cpu_idlm"))
     committed = json.loads((REAL_CHUNKS.parent / "cpu_idlm.json").read_text())
@@ -277,7 +278,21 @@ def test_the_reproduce_commands_still_make_the_committed_chunks_fingerprints():
     assert kept_fingerprint("cpu_idlm", idlm_isd.VALIDATION_FILE) == json.loads(json.dumps(
         {**idlm_isd.chunk_fingerprint(args, val_rows), "split": "val", "num_val": args.num_val}))
     widths = [1, *(2 * n - 1 for n in sorted({*args.strides, *args.test_strides}))]
-    assert kept_fingerprint("cpu_idlm", idlm_isd.BOUND_FILE) == idlm_isd.bound_fingerprint(args, widths)
+    assert kept_fingerprint("cpu_idlm", BOUND_FILE) == bound_fingerprint(args, "idlm_isd", widths)
+
+    args = jacobi_forcing.parse_args(step_args("cpu_jacobi_forcing"))
+    committed = json.loads((REAL_CHUNKS.parent / "cpu_jacobi_forcing.json").read_text())
+    trained = {"round1": JACOBI_ROUND1_BLOCK}
+    rows = jacobi_forcing.decoding_rows(args, trained, committed["chosen_block_size"],
+                                        committed["chosen_multiblock_block_size"])
+    assert json.loads(json.dumps(jacobi_forcing.chunk_fingerprint(args, rows))) == committed_fingerprint(
+        "cpu_jacobi_forcing")
+    val_rows = jacobi_forcing.validation_rows_for_n(args, trained)
+    assert kept_fingerprint("cpu_jacobi_forcing", jacobi_forcing.VALIDATION_FILE) == json.loads(json.dumps(
+        {**jacobi_forcing.chunk_fingerprint(args, val_rows), "split": "val", "num_val": args.num_val}))
+    widths = [1, *sorted({d["block_size"] for _, _, d in [*val_rows, *jacobi_forcing.decoding_rows(args, trained, None)]
+                          if d["name"] == "jacobi"})]
+    assert kept_fingerprint("cpu_jacobi_forcing", BOUND_FILE) == bound_fingerprint(args, "jacobi_forcing", widths)
 
     for step_name, block in (("cpu_mdm_flashdlm", MDM_BLOCK), ("cpu_mdm_flashdlm_block8", MDM_BLOCK8)):
         args = mdm_flashdlm.parse_args(step_args(step_name))

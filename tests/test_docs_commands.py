@@ -103,22 +103,26 @@ def simple_commands(line: str) -> list[list[str]]:
     return out
 
 
-SHARED_FLAGS = "pardec.benchmarks.common"  # add_runtime_args, add_bound_args, add_split_arg, add_template_arg
-SHARED_HELPERS = ("add_runtime_args", "add_bound_args", "add_split_arg", "add_template_arg")
+# The helpers that add flags shared by several benchmarks, and the module each lives in.
+SHARED_HELPERS = {helper: "pardec.benchmarks.common"
+                  for helper in ("add_runtime_args", "add_bound_args", "add_split_arg", "add_template_arg")}
+SHARED_HELPERS["add_chunk_args"] = "pardec.benchmarks.chunks"
 
 
 def argparse_flags(module: str) -> set[str] | None:
-    """The ``--flags`` a pardec module's argparse parser defines (string constants of its source, and of
-    ``pardec.benchmarks.common`` where it adds the shared benchmark flags from there), or None when the
-    module has no argparse parser (Hydra entry points, torchrun)."""
+    """The ``--flags`` a pardec module's argparse parser defines (string constants of its source, and of the
+    module of each :data:`SHARED_HELPERS` helper it calls), or None when the module has no argparse parser
+    (Hydra entry points, torchrun)."""
     spec = importlib.util.find_spec(module)
     source = Path(spec.origin).read_text()
-    shared = module != SHARED_FLAGS and any(f"{helper}(" in source for helper in SHARED_HELPERS)
+    shared = {home for helper, home in SHARED_HELPERS.items() if home != module and f"{helper}(" in source}
     if "add_argument(" not in source and not shared:
         return None
     flags = {node.value for node in ast.walk(ast.parse(source))
              if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("--")}
-    return flags | argparse_flags(SHARED_FLAGS) if shared else flags
+    for home in shared:
+        flags |= argparse_flags(home)
+    return flags
 
 
 def module_problems(module: str, args: list[str]) -> list[str]:

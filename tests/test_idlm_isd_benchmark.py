@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pardec.benchmarks import idlm_isd
+from pardec.benchmarks import chunks, idlm_isd
 from tests.conftest import interrupt_evaluate, save_chat_checkpoint, stopped_after_first_chunk
 from tests.train_utils import run_in_process
 
@@ -105,8 +105,8 @@ def test_risd_in_chunks_equals_one_run_and_resumes(tmp_path, monkeypatch):
             "--threads", "1", "--split", "val", "--no-bound"]
     idlm_isd.main([*args, "--out", str(tmp_path / "one")])
 
-    chunked = stopped_after_first_chunk(monkeypatch, idlm_isd, args, tmp_path, rows=2, problems=3)
-    calls = interrupt_evaluate(monkeypatch, idlm_isd, after=6)
+    chunked = stopped_after_first_chunk(monkeypatch, idlm_isd, args, tmp_path, rows=2, problems=3, decoding=chunks)
+    calls = interrupt_evaluate(monkeypatch, chunks, after=6)
     idlm_isd.main(chunked)
     assert calls == [1, 1, 1, 1, 1, 1]  # the rows' warm-ups on the second chunk, then two chunks of two rows
     one, pooled = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("one", "c"))
@@ -132,21 +132,21 @@ def test_the_val_choice_and_the_bound_are_kept_beside_the_chunks_and_read_on_res
             "--bound-repeats", "1", "--chunk-dir", str(tmp_path / "chunks"), "--out", str(tmp_path / "t")]
     idlm_isd.main(args)
     first = json.loads((tmp_path / "t.json").read_text())
-    for name in (idlm_isd.VALIDATION_FILE, idlm_isd.BOUND_FILE):
+    for name in (idlm_isd.VALIDATION_FILE, chunks.BOUND_FILE):
         assert (tmp_path / "chunks" / name).is_file()
 
     def measured_again(*a, **k):
         raise AssertionError("the validation sweep or the bound's latencies were measured again")
 
     monkeypatch.setattr(idlm_isd, "measure", measured_again)
-    monkeypatch.setattr(idlm_isd, "forward_latencies", measured_again)
+    monkeypatch.setattr(chunks, "forward_latencies", measured_again)
     idlm_isd.main(args)
     again = json.loads((tmp_path / "t.json").read_text())
     assert (again["chosen_stride"], again["validation"]) == (first["chosen_stride"], first["validation"])
     assert again["test"] == first["test"]  # read back, nothing decoded: the same table, times and bound included
     md = (tmp_path / "t.md").read_text()
     assert f"read from {tmp_path / 'chunks' / idlm_isd.VALIDATION_FILE}" in md
-    assert f"t(q) read from {tmp_path / 'chunks' / idlm_isd.BOUND_FILE}" in md
+    assert f"t(q) read from {tmp_path / 'chunks' / chunks.BOUND_FILE}" in md
     # Another sweep's settings: the kept choice is refused by name, not reused.
     with pytest.raises(ValueError, match="validation.json was made by another setting"):
         idlm_isd.main([*args[:args.index("--num-val") + 1], "1", *args[args.index("--num-val") + 2:]])

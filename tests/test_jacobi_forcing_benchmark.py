@@ -154,6 +154,7 @@ def test_jacobi_in_chunks_equals_one_run_and_keeps_its_val_choice(tmp_path, monk
     follows its number in the split, so the random drafts (draft_init=context) and with them TPF are the same.
     A run stopped after its first chunk leaves that chunk's table; a rerun decodes only the rest; read back
     again it measures neither the val sweep nor the bound anew."""
+    import pardec.benchmarks.chunks as chunks
     import pardec.benchmarks.jacobi_forcing as bench
     from pardec.benchmarks.common import identical
     from tests.conftest import interrupt_evaluate
@@ -167,15 +168,15 @@ def test_jacobi_in_chunks_equals_one_run_and_keeps_its_val_choice(tmp_path, monk
     rows = len(one["decoding"])
 
     # Stopped after the val sweep (a warm-up and a decode per row) and the first chunk's rows (likewise).
-    evaluate = bench.evaluate
-    interrupt_evaluate(monkeypatch, bench, after=2 * len(one["validation"]) + 2 * rows)
+    evaluate = chunks.evaluate
+    interrupt_evaluate(monkeypatch, chunks, after=2 * len(one["validation"]) + 2 * rows)
     chunked = [*args, "--chunk-dir", str(tmp_path / "chunks"), "--chunk-size", "1", "--out", str(tmp_path / "c")]
     with pytest.raises(KeyboardInterrupt):
         main(chunked)
     assert "1 of 3 problems done" in (tmp_path / "c.md").read_text()
     assert [r["num_samples"] for r in json.loads((tmp_path / "c.json").read_text())["decoding"]] == [1] * rows
-    monkeypatch.setattr(bench, "evaluate", evaluate)
-    calls = interrupt_evaluate(monkeypatch, bench, after=3 * rows)
+    monkeypatch.setattr(chunks, "evaluate", evaluate)
+    calls = interrupt_evaluate(monkeypatch, chunks, after=3 * rows)
     main(chunked)
     assert calls == [1] * (3 * rows)  # the rows' warm-ups on the second chunk, then two chunks of every row
     pooled = json.loads((tmp_path / "c.json").read_text())
@@ -192,13 +193,13 @@ def test_jacobi_in_chunks_equals_one_run_and_keeps_its_val_choice(tmp_path, monk
         raise AssertionError("the validation sweep or the bound's latencies were measured again")
 
     monkeypatch.setattr(bench, "measure", measured_again)
-    monkeypatch.setattr(bench, "forward_latencies", measured_again)
+    monkeypatch.setattr(chunks, "forward_latencies", measured_again)
     main(chunked)
     again = json.loads((tmp_path / "c.json").read_text())
     assert again == pooled  # read back, nothing decoded or measured: the same table, times and bound included
     md = (tmp_path / "c.md").read_text()
     assert f"read from {tmp_path / 'chunks' / bench.VALIDATION_FILE}" in md
-    assert f"t(q) read from {tmp_path / 'chunks' / bench.BOUND_FILE}" in md
+    assert f"t(q) read from {tmp_path / 'chunks' / chunks.BOUND_FILE}" in md
 
 
 def test_chunks_need_no_training_table(tmp_path):

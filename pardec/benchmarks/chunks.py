@@ -1,5 +1,5 @@
 """A long benchmark run in chunks of problems that survives being stopped (``mdm_flashdlm``, ``cover``,
-``idlm_isd``).
+``idlm_isd``, ``jacobi_forcing``).
 
 On two CPU cores the MDM decoders cost 15-25 s per problem, so one table on the 200 test problems
 takes hours. With ``--chunk-dir DIR`` the benchmark decodes its problems ``--chunk-size`` at a
@@ -18,6 +18,11 @@ files can be kept (``reproduce --real`` writes them under ``benchmarks/results/r
 is committed) and a later session, on a fresh machine that re-builds the checkpoints, goes on from
 them exactly when its re-built checkpoints are the same bytes (training is seeded and, on the same
 kind of CPU with the same threads and torch, deterministic); otherwise every chunk is refused.
+
+What a run measures once before its chunks (a validation sweep that chooses the test rows, the latencies
+of a TPF · t(1)/t(q) bound) is kept beside them (:func:`kept_in`, :func:`kept_bound`) and read back on
+restart. Each chunk numbers its problems from its first (``pardec.inference.evaluate``'s ``first_index``),
+so a seeded decoder (sampling, Jacobi's random drafts) draws for each problem what one run would.
 
 A chunk also records the machine that decoded it (``machine``: CPU, GPU, torch; not part of the
 fingerprint, so chunks of one setting pool across machines). The table then names the chunks'
@@ -38,6 +43,8 @@ from typing import Any
 import torch
 
 from pardec.benchmarks.common import current_machine, machine_name
+from pardec.benchmarks.real_model_speed import forward_latencies
+from pardec.inference.evaluate import evaluate
 from pardec.trainers.checkpoint import compute_checksums
 
 Records = dict[str, list[dict]]  # row key -> one record per problem (pardec.inference.evaluate's records)
@@ -47,6 +54,7 @@ Machine = dict[str, str | None]  # pardec.benchmarks.common.current_machine(): c
 REFUSED = "was made by another setting"
 # The chunk files of a chunk directory (``<first>-<end>.json``), not what else a run keeps beside them (kept_in).
 CHUNK_FILES = "[0-9]*-[0-9]*.json"
+BOUND_FILE = "bound.json"  # beside a table's chunks: the forward latencies t(q) of its TPF · t(1)/t(q) bound
 
 
 def add_chunk_args(p: argparse.ArgumentParser) -> None:
@@ -54,6 +62,20 @@ def add_chunk_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-dir", default=None,
                    help="decode in chunks of problems saved here, resumed when run again (pardec.benchmarks.chunks)")
     p.add_argument("--chunk-size", type=int, default=10, help="problems per chunk (with --chunk-dir)")
+
+
+def decode_row(model, tok, problems, decoder: dict, template: str, warmed: set[str], key: str,
+               first: int = 0) -> list[dict]:
+    """One row of a table on ``problems`` (the first numbered ``first``): its records in index order. A row
+    whose ``key`` is not in ``warmed`` first decodes the first two problems untimed (first-call allocations and
+    lazy initialisation would otherwise slow it down) and joins it."""
+    if key not in warmed:
+        evaluate(model, tok, problems.select(range(min(2, len(problems)))), decoder, template=template,
+                 agreement=False, shard=False)
+        warmed.add(key)
+    result = evaluate(model, tok, problems, decoder, template=template, agreement=False, shard=False, progress=True,
+                      first_index=first)
+    return sorted(result.records, key=lambda r: r["index"])
 
 
 def chunk_bounds(num_problems: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -97,6 +119,24 @@ def kept_in(chunk_dir: str | Path | None, name: str, fingerprint: dict[str, Any]
     path.parent.mkdir(parents=True, exist_ok=True)
     write_chunk(path, fingerprint, result, current_machine())
     return result, ""
+
+
+def bound_fingerprint(args, benchmark: str, widths: list[int]) -> dict[str, Any]:
+    """What ``benchmark``'s bound latencies are measured with: the base (``args.base``), the widths, the flags of
+    ``pardec.benchmarks.common.add_bound_args`` and the runtime."""
+    return {"benchmark": f"{benchmark} bound", "base": args.base, "widths": widths, "bound_cache": args.bound_cache,
+            "bound_repeats": args.bound_repeats, "device": args.device, "dtype": args.dtype, "threads": args.threads}
+
+
+def kept_bound(args, benchmark: str, model, widths: list[int]) -> tuple[dict[int, float], str]:
+    """``({width: seconds}, note)``: :func:`pardec.benchmarks.real_model_speed.forward_latencies` of ``model`` (the
+    base, ``args.base``) at ``widths``, measured once per chunk directory and kept there as ``BOUND_FILE``
+    (:func:`kept_in`), so that a table read back from its chunks keeps its bound; ``({}, "")`` with ``--no-bound``."""
+    if args.no_bound:
+        return {}, ""
+    kept, note = kept_in(args.chunk_dir, BOUND_FILE, bound_fingerprint(args, benchmark, widths),
+                         lambda: forward_latencies(model, widths, args.bound_cache, args.bound_repeats), [args.base])
+    return {int(width): seconds for width, seconds in kept.items()}, note  # JSON keys are strings once read back
 
 
 def run_in_chunks(problems, chunk_size: int, chunk_dir: str | Path, fingerprint: dict[str, Any],

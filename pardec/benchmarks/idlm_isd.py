@@ -29,8 +29,8 @@ when the same command runs again; the table, of the problems done so far, is rew
 (``pardec.benchmarks.chunks``), alpha pooled from each record's introspection. With ``--num-val`` the
 sweep and the N it chose are kept beside the chunks (``validation.json``) and read on restart, so a restart
 decodes the same rows (the TPS-based choice could otherwise change); so are the bound's latencies
-(``bound.json``), so that a table read back from its chunks is the same table. A sampled row seeds each problem
-by its number in the split, so in chunks it draws what one run draws.
+(``bound.json``, ``pardec.benchmarks.chunks.kept_bound``), so that a table read back from its chunks is the same
+table. A sampled row seeds each problem by its number in the split, so in chunks it draws what one run draws.
 ``--cuda-graphs`` runs every row, AR included, over a static cache with each step width captured once
 as a CUDA graph (``pardec.inference.decoders.decode_steps``), so that on a GPU TPS follows TPF.
 
@@ -50,7 +50,7 @@ import json
 
 import torch
 
-from pardec.benchmarks.chunks import add_chunk_args, decode_all, kept_in, progress_note
+from pardec.benchmarks.chunks import add_chunk_args, decode_all, decode_row, kept_bound, kept_in, progress_note
 from pardec.benchmarks.common import (
     RESULTS,
     add_bound_args,
@@ -65,16 +65,14 @@ from pardec.benchmarks.common import (
     validation_rows,
     write_results,
 )
-from pardec.benchmarks.real_model_speed import forward_latencies
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.isd import introspective_ratios, resolve_stride
 from pardec.inference.decoders.registry import build_decoder
-from pardec.inference.evaluate import encode_prompt, evaluate
+from pardec.inference.evaluate import encode_prompt
 from pardec.inference.metrics import compute_metrics
 from pardec.models.loading import mask_token_id
 
 VALIDATION_FILE = "validation.json"  # beside the chunks: the --num-val sweep and the N it chose
-BOUND_FILE = "bound.json"  # beside the chunks: the forward latencies t(q) of the bound
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -155,19 +153,13 @@ def table_rows(args, strides: list[int], risd_stride: int | None) -> list[Row]:
 
 def decode_rows(args, models, problems, rows, warmed: set[str], first: int = 0) -> dict[str, list[dict]]:
     """Every row of ``rows`` (``(label, model key, decoder config, stride)``) on ``problems`` (the first
-    numbered ``first``), one row after the other; records by label in index order, each ISD record with its
-    introspection (untimed). A row not in ``warmed`` first decodes the first two problems untimed (first-call
-    allocations would otherwise slow it down) and joins it."""
+    numbered ``first``), one row after the other, each warmed up once (``warmed``,
+    :func:`pardec.benchmarks.chunks.decode_row`); records by label in index order, each ISD record with its
+    introspection (untimed)."""
     records = {}
-    warmup = problems.select(range(min(2, len(problems))))
     for label, which, decoder, stride in rows:
         model, tok = models[which]
-        if label not in warmed:
-            evaluate(model, tok, warmup, decoder, template=args.template, agreement=False, shard=False)
-            warmed.add(label)
-        result = evaluate(model, tok, problems, decoder, template=args.template, agreement=False, shard=False,
-                          progress=True, first_index=first)
-        records[label] = sorted(result.records, key=lambda r: r["index"])
+        records[label] = decode_row(model, tok, problems, decoder, args.template, warmed, label, first)
         for r in records[label] if stride else ():
             r["alpha_sum"], r["alpha_tokens"] = introspection(model, tok, r, stride, args.template)
     return records
@@ -214,12 +206,6 @@ def chunk_fingerprint(args, rows) -> dict:
     return {"benchmark": "idlm_isd", "base": args.base, "idlm": args.idlm, "risd": args.risd, "split": args.split,
             "template": args.template, "device": args.device, "dtype": args.dtype, "threads": args.threads,
             "rows": [[label, decoder] for label, _, decoder, _ in rows]}
-
-
-def bound_fingerprint(args, widths: list[int]) -> dict:
-    """What the bound's latencies are measured with (kept beside the chunks, ``BOUND_FILE``)."""
-    return {"benchmark": "idlm_isd bound", "base": args.base, "widths": widths, "bound_cache": args.bound_cache,
-            "bound_repeats": args.bound_repeats, "device": args.device, "dtype": args.dtype, "threads": args.threads}
 
 
 def choose_stride(val_table: list[dict]) -> tuple[int, str]:
@@ -269,15 +255,8 @@ def main(argv: list[str] | None = None) -> None:
                       *([risd_stride] if risd_stride else [])})
     checkpoints = [path for path in (args.base, args.idlm, args.risd) if path]
     widths = [1, *(2 * n - 1 for n in strides)]
-
-    def probe() -> dict[int, float]:
-        return forward_latencies(models["base"][0], widths, args.bound_cache, args.bound_repeats)
-
-    latency, bound_note = {}, ""
-    if not args.no_bound:  # measured once per chunk directory: a table read back keeps its bound
-        kept, note = kept_in(args.chunk_dir, BOUND_FILE, bound_fingerprint(args, widths), probe, [args.base])
-        latency = {int(width): seconds for width, seconds in kept.items()}  # JSON keys are strings once read back
-        bound_note = f"; t(q) {note}" if note else ""
+    latency, note = kept_bound(args, "idlm_isd", models["base"][0], widths)
+    bound_note = f"; t(q) {note}" if note else ""
     validation, chosen, rule, kept_note = None, None, None, ""
     test_strides = args.strides
     if args.num_val:

@@ -67,9 +67,9 @@ multi-block decodes at Jacobi's n, and ``chosen_multiblock_block_size`` is that 
 when the same command runs again; the table of the problems done so far is rewritten after every chunk
 (``pardec.benchmarks.chunks``). Each problem's draft seed follows its number in the split, so the chunks decode
 what one run decodes. The val sweep with the n it chose (``validation.json``) and the bound's latencies
-(``bound.json``) are kept beside the chunks and read on restart: a restart decodes the same rows, and a table read
-back from its chunks is the same table. Table 2 times training steps, not decoding: chunks need
-``--no-training-table``.
+(``bound.json``, ``pardec.benchmarks.chunks.kept_bound``) are kept beside the chunks and read on restart: a
+restart decodes the same rows, and a table read back from its chunks is the same table. Table 2 times training
+steps, not decoding: chunks need ``--no-training-table``.
 
 A shorter test table (``--skip-rows``): ``base-jacobi`` drops the untrained base's Jacobi row,
 ``multiblock`` every multi-block row; what is left still answers accuracy, losslessness (each round's
@@ -92,7 +92,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from pardec.benchmarks.chunks import add_chunk_args, decode_all, kept_in, progress_note
+from pardec.benchmarks.chunks import add_chunk_args, decode_all, decode_row, kept_bound, kept_in, progress_note
 from pardec.benchmarks.common import (
     RESULTS,
     add_bound_args,
@@ -107,7 +107,6 @@ from pardec.benchmarks.common import (
     validation_rows,
     write_results,
 )
-from pardec.benchmarks.real_model_speed import forward_latencies
 from pardec.common.errors import ConfigError
 from pardec.data_pipelines.config import DataConfig
 from pardec.data_pipelines.jacobi_batch import build_jacobi_batch
@@ -117,7 +116,6 @@ from pardec.data_pipelines.sources import load_raw_split
 from pardec.data_pipelines.tokenize import format_prompt_ids
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.jacobi import resolve_block_size
-from pardec.inference.evaluate import evaluate
 from pardec.inference.metrics import compute_metrics
 from pardec.losses.jacobi import jacobi_forcing_loss
 from pardec.methods.base import forward_logits
@@ -125,7 +123,6 @@ from pardec.methods.base import forward_logits
 AR_WEIGHT = 30.0  # pardec/recipes/experiment/jacobi_forcing_default.yaml
 SKIPPABLE_ROWS = ("base-jacobi", "multiblock")
 VALIDATION_FILE = "validation.json"  # beside the chunks: the --num-val sweep and the n it chose
-BOUND_FILE = "bound.json"  # beside the chunks: the forward latencies t(q) of the bound
 Row = tuple[str, str, dict]  # (label, model key, decoder config)
 
 
@@ -258,20 +255,10 @@ def choose_block_size(val_table: list[dict], decoder: str = "jacobi") -> tuple[i
 
 
 def decode_rows(args, models, problems, rows: list[Row], warmed: set[str], first: int = 0) -> dict[str, list[dict]]:
-    """Every row of ``rows`` on ``problems`` (the first numbered ``first``), one after the other; records by
-    label in index order. A row not in ``warmed`` first decodes the first two problems untimed (first-call
-    allocations and lazy initialisation would otherwise slow it down) and joins it."""
-    records = {}
-    warmup = problems.select(range(min(2, len(problems))))
-    for label, which, decoder in rows:
-        model, tok = models[which]
-        if label not in warmed:
-            evaluate(model, tok, warmup, decoder, template=args.template, agreement=False, shard=False)
-            warmed.add(label)
-        result = evaluate(model, tok, problems, decoder, template=args.template, agreement=False, shard=False,
-                          progress=True, first_index=first)
-        records[label] = sorted(result.records, key=lambda r: r["index"])
-    return records
+    """Every row of ``rows`` on ``problems`` (the first numbered ``first``), one after the other, each warmed up
+    once (``warmed``, :func:`pardec.benchmarks.chunks.decode_row`); records by label in index order."""
+    return {label: decode_row(*models[which], problems, decoder, args.template, warmed, label, first)
+            for label, which, decoder in rows}
 
 
 def table_of(rows: list[Row], records: dict[str, list[dict]], latency: dict) -> list[dict]:
@@ -310,12 +297,6 @@ def chunk_fingerprint(args, rows: list[Row]) -> dict:
     return {"benchmark": "jacobi_forcing", "base": args.base, "round1": args.round1, "round2": args.round2,
             "split": args.split, "template": args.template, "device": args.device, "dtype": args.dtype,
             "threads": args.threads, "rows": [[label, decoder] for label, _, decoder in rows]}  # labels name the model
-
-
-def bound_fingerprint(args, widths: list[int]) -> dict:
-    """What the bound's latencies are measured with (kept beside the chunks, ``BOUND_FILE``)."""
-    return {"benchmark": "jacobi_forcing bound", "base": args.base, "widths": widths, "bound_cache": args.bound_cache,
-            "bound_repeats": args.bound_repeats, "device": args.device, "dtype": args.dtype, "threads": args.threads}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -499,15 +480,8 @@ def main(argv: list[str] | None = None) -> None:
     val_rows = validation_rows_for_n(args, trained) if args.num_val else []
     widths = [1, *sorted({d["block_size"] for _, _, d in [*val_rows, *decoding_rows(args, trained, None)]
                           if d["name"] == "jacobi"})]
-
-    def probe() -> dict[int, float]:
-        return forward_latencies(models["base"][0], widths, args.bound_cache, args.bound_repeats)
-
-    latency, bound_note = {}, ""
-    if not args.no_bound:  # measured once per chunk directory: a table read back keeps its bound
-        kept, note = kept_in(args.chunk_dir, BOUND_FILE, bound_fingerprint(args, widths), probe, [args.base])
-        latency = {int(width): seconds for width, seconds in kept.items()}  # JSON keys are strings once read back
-        bound_note = f" t(q) {note}." if note else ""
+    latency, note = kept_bound(args, "jacobi_forcing", models["base"][0], widths)
+    bound_note = f" t(q) {note}." if note else ""
     validation, chosen, rule, chosen_multiblock, multiblock_rule, kept_note = None, None, None, None, None, ""
     if args.num_val:
 

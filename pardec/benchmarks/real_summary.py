@@ -138,8 +138,8 @@ ROWS: tuple[RealRow, ...] = (
               "cpu_idlm", ISD, decoder, lambda data, decoder=decoder: decoder(data).removesuffix(" greedy"),
               "smollm2_idlm_lora", "own", IDLM_CPU, optional=decoder is isd_at_goal_stride)
       for decoder in (isd_chosen, isd_at_goal_stride)),
-    *(RealRow("Jacobi Forcing", "Jacobi Forcing round 1 (LoRA r=64, 1500 steps) on the CPU SFT base as an Intel CPU "
-              "re-built it", CPU, "cpu_jacobi_forcing", "jacobi_forcing", jacobi_chosen(kind),
+    *(RealRow("Jacobi Forcing", "Jacobi Forcing round 1 (LoRA r=64, 1500 steps) on the CPU SFT base", CPU,
+              "cpu_jacobi_forcing", "jacobi_forcing", jacobi_chosen(kind),
               jacobi_short(kind, short), "smollm2_jacobi_forcing_lora_1500", "own", JACOBI_CPU)
       for kind, short in (("jacobi", "Jacobi"), ("multiblock", "multi-block"))),
     RealRow("ReFusion", "ReFusion (LoRA r=64, 3000 steps) on the CPU SFT base as an Intel CPU re-built it", CPU,

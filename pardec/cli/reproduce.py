@@ -120,9 +120,10 @@ REAL_REFUSION = "runs/smollm2_refusion_lora_3000"
 # Jacobi Forcing with the same LoRA on five times the trajectories and steps of smollm2_jacobi_forcing_lora (itself
 # 2.5 and 3.5 test points above full fine-tuning, smollm2_jacobi_forcing), its rows padded to the longest
 # (data.pad_to=longest), which brought its training within the budget (30.6 min on an Intel Xeon, where rows of
-# 512 slots paced 65). On test Jacobi n=16 (chosen on val) decodes at TPF 2.70 and 1.71x the base's AR (1.43x its
-# own), lossless, 4.5 points below the base. Three times the data (smollm2_jacobi_forcing_lora_long, the pipeline's
-# from 2026-12-04 to 2026-12-06) reached TPF 1.55 at 1.32x (docs/results/real_cpu.md).
+# 512 slots paced 65; 32.8 min on an AMD EPYC, 72.6 with the trajectory collection). On test Jacobi n=16 (chosen on
+# val) decodes the AMD build at TPF 2.69 and 1.54x the base's AR in chunks (1.57x its own), lossless, 3.5 points
+# below the base. Three times the data (smollm2_jacobi_forcing_lora_long, the pipeline's from 2026-12-04 to
+# 2026-12-06) reached TPF 1.55 at 1.32x (docs/results/real_cpu.md).
 REAL_JACOBI = "runs/smollm2_jacobi_forcing_lora_1500/stages/00-round1"
 # MDM with the same LoRA on 2000 steps, its rows padded to the longest (49.5 min on an Intel Xeon): on test its LLaDA
 # baseline answers 58.5% (the base 65.5%; smollm2_mdm, 550 steps of full fine-tuning: 23.0%) and FreeCache runs at
