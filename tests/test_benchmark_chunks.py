@@ -154,6 +154,7 @@ def test_chunks_name_checkpoints_by_content(tmp_path):
 def test_mdm_flashdlm_in_chunks_equals_one_run(tmp_path, monkeypatch):
     """Everything but time is the same pooled from chunks of one problem as decoded in one go; a run
     stopped after its first chunk leaves a table of that chunk saying so, and a rerun finishes it."""
+    import pardec.benchmarks.chunks as chunks
     import pardec.benchmarks.mdm_flashdlm as bench
 
     base, mdm = save_chat_checkpoint(tmp_path / "base"), chat_mdm_export(tmp_path / "mdm")
@@ -161,7 +162,8 @@ def test_mdm_flashdlm_in_chunks_equals_one_run(tmp_path, monkeypatch):
             "--rows", "ar,lowconf1,guided_shifted", "--template", "chat", "--threads", "1"]
     bench.main([*args, "--out", str(tmp_path / "one")])
 
-    chunked = stopped_after_first_chunk(monkeypatch, bench, args, tmp_path, rows=3, problems=3)
+    chunked = stopped_after_first_chunk(monkeypatch, bench, args, tmp_path, rows=3, problems=3,
+                                        decoding=chunks)
     bench.main(chunked)
     one, pooled = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("one", "c"))
     assert "problems done" not in (tmp_path / "c.md").read_text()

@@ -65,16 +65,16 @@ def add_chunk_args(p: argparse.ArgumentParser) -> None:
 
 
 def decode_row(model, tok, problems, decoder: dict, template: str, warmed: set[str], key: str,
-               first: int = 0) -> list[dict]:
+               first: int = 0, auxiliary: dict | None = None) -> list[dict]:
     """One row of a table on ``problems`` (the first numbered ``first``): its records in index order. A row
     whose ``key`` is not in ``warmed`` first decodes the first two problems untimed (first-call allocations and
-    lazy initialisation would otherwise slow it down) and joins it."""
+    lazy initialisation would otherwise slow it down) and joins it. ``auxiliary``: the decoder's other models
+    (``pardec.inference.evaluate``'s, e.g. a guide)."""
+    kwargs = {"template": template, "agreement": False, "shard": False, "auxiliary": auxiliary}
     if key not in warmed:
-        evaluate(model, tok, problems.select(range(min(2, len(problems)))), decoder, template=template,
-                 agreement=False, shard=False)
+        evaluate(model, tok, problems.select(range(min(2, len(problems)))), decoder, **kwargs)
         warmed.add(key)
-    result = evaluate(model, tok, problems, decoder, template=template, agreement=False, shard=False, progress=True,
-                      first_index=first)
+    result = evaluate(model, tok, problems, decoder, progress=True, first_index=first, **kwargs)
     return sorted(result.records, key=lambda r: r["index"])
 
 

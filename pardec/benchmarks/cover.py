@@ -40,7 +40,7 @@ import json
 
 import torch
 
-from pardec.benchmarks.chunks import add_chunk_args, decode_all, kept_in, progress_note
+from pardec.benchmarks.chunks import add_chunk_args, decode_all, decode_row, kept_in, progress_note
 from pardec.benchmarks.common import (
     RESULTS,
     add_runtime_args,
@@ -192,10 +192,9 @@ def metrics_row(records: list[dict], decoder: dict, tok, is_ar: bool = False) ->
     }
 
 
-def decode(model, tok, problems, decoder: dict, template: str = "auto", first_index: int = 0) -> list[dict]:
-    """``problems`` decoded by ``decoder``: the records, in problem order (numbered from ``first_index``)."""
-    result = evaluate(model, tok, problems, decoder, template=template, agreement=False, shard=False,
-                      first_index=first_index)
+def decode(model, tok, problems, decoder: dict, template: str = "auto") -> list[dict]:
+    """``problems`` decoded by ``decoder``: the records, in problem order."""
+    result = evaluate(model, tok, problems, decoder, template=template, agreement=False, shard=False)
     return sorted(result.records, key=lambda r: r["index"])
 
 
@@ -258,15 +257,11 @@ def main(argv: list[str] | None = None) -> None:
     warmed = set()
 
     def run_chunk(problems, first: int) -> dict[str, list[dict]]:
-        """Every test row on ``problems`` (the first numbered ``first``), one after the other."""
-        records = {}
-        for label, decoder in rows:
-            which, which_tok = base if label == AR_LABEL else (model, tok)
-            if label not in warmed:  # once per row and process: untimed
-                decode(which, which_tok, warmup, decoder, args.template)
-                warmed.add(label)
-            records[label] = decode(which, which_tok, problems, decoder, args.template, first)
-        return records
+        """Every test row on ``problems`` (the first numbered ``first``), one after the other, each warmed up
+        once (:func:`pardec.benchmarks.chunks.decode_row`)."""
+        return {label: decode_row(*(base if label == AR_LABEL else (model, tok)), problems, decoder, args.template,
+                                  warmed, label, first)
+                for label, decoder in rows}
 
     def write_table(records: dict[str, list[dict]], done: int, machine: dict) -> None:
         table = [{"decoder": label, "config": {k: v for k, v in decoder.items() if k not in common},

@@ -33,7 +33,7 @@ import argparse
 
 import torch
 
-from pardec.benchmarks.chunks import add_chunk_args, decode_all, progress_note
+from pardec.benchmarks.chunks import add_chunk_args, decode_all, decode_row, progress_note
 from pardec.benchmarks.common import (
     RESULTS,
     add_runtime_args,
@@ -49,7 +49,6 @@ from pardec.benchmarks.common import (
 from pardec.inference.checkpoint import load_checkpoint
 from pardec.inference.decoders.mdm_common import default_block_size, mdm_info
 from pardec.inference.decoders.registry import build_decoder
-from pardec.inference.evaluate import evaluate
 from pardec.inference.metrics import compute_metrics
 
 
@@ -161,22 +160,14 @@ def main(argv: list[str] | None = None) -> None:
         args.block_size = default_block_size(mdm_info(models["mdm"][0]))
     selected = selected_rows(args)
 
-    warmup, warmed = eval_rows.select(range(min(2, len(eval_rows)))), set()
+    warmed = set()
 
     def run_chunk(problems, first: int) -> dict[str, list[dict]]:
-        """Every selected row on ``problems`` (the first numbered ``first``), one after the other (records in
-        index order)."""
-        records = {}
-        for key, _, which, decoder in selected:
-            model, tok = models[which]
-            aux = {"guide": guide} if decoder.get("name") == "mdm_guided" else None
-            kwargs = {"template": args.template, "agreement": False, "shard": False, "auxiliary": aux}
-            if key not in warmed:  # once per row and process: untimed
-                evaluate(model, tok, warmup, decoder, **kwargs)
-                warmed.add(key)
-            result = evaluate(model, tok, problems, decoder, progress=True, first_index=first, **kwargs)
-            records[key] = sorted(result.records, key=lambda r: r["index"])
-        return records
+        """Every selected row on ``problems`` (the first numbered ``first``), one after the other, each warmed
+        up once (:func:`pardec.benchmarks.chunks.decode_row`; records in index order)."""
+        return {key: decode_row(*models[which], problems, decoder, args.template, warmed, key, first,
+                                {"guide": guide} if decoder.get("name") == "mdm_guided" else None)
+                for key, _, which, decoder in selected}
 
     def write_table(records: dict[str, list[dict]], done: int, machine: dict) -> None:
         ar_records = records.get("ar")
