@@ -1,5 +1,9 @@
 """pardec.benchmarks.refusion: the validation rule that picks (b, tau, first token), on hand-built tables,
-and the test phase's ablations of the chosen setting."""
+the test phase's ablations of the chosen setting, and the test rows decoded in chunks."""
+import json
+
+import pytest
+
 from pardec.benchmarks.refusion import OWN_AR, ablations, check_goals, choose_setting, label, parse_args
 
 
@@ -96,11 +100,8 @@ def test_goals_follow_the_flags_and_skip_recomputation_when_not_run():
     assert goals == {"tpf_2.5_within_2%": False} and "recomputation" not in text
 
 
-def run_real_model_flags(tmp_path, *flags: str) -> dict:
-    """The benchmark with the flags ``reproduce --real`` uses (and ``flags``) on tiny chat checkpoints."""
-    import json
-
-    from pardec.benchmarks.refusion import main
+def refusion_checkpoints(tmp_path) -> list[str]:
+    """``--base`` and ``--refusion`` flags naming tiny chat checkpoints saved under ``tmp_path``."""
     from pardec.common.constants import MASK_TOKEN
     from pardec.common.metadata import CheckpointMetadata
     from tests.conftest import chat_bpe_tokenizer, save_chat_checkpoint, tiny_model
@@ -114,11 +115,21 @@ def run_real_model_flags(tmp_path, *flags: str) -> dict:
                        slot_size=4).write_to(model)
     model.save_pretrained(tmp_path / "refusion")
     tok.save_pretrained(tmp_path / "refusion")
+    return ["--base", str(base), "--refusion", str(tmp_path / "refusion")]
+
+
+# the flags reproduce --real uses, sized for tiny checkpoints
+REAL_MODEL_FLAGS = ["--num-val", "2", "--num-samples", "2", "--block-sizes", "4", "8", "--first-tokens", "mask",
+                    "--thresholds", "0.9", "0.5", "--test-chosen-only", "--ablations", "kv_reuse", "--no-own-ar",
+                    "--goal-drop", "0.03", "--goal-reuse", "2", "--max-new-tokens", "8", "--threads", "1"]
+
+
+def run_real_model_flags(tmp_path, *flags: str) -> dict:
+    """The benchmark with the flags ``reproduce --real`` uses (and ``flags``) on tiny chat checkpoints."""
+    from pardec.benchmarks.refusion import main
+
     out = tmp_path / "result"
-    main(["--base", str(base), "--refusion", str(tmp_path / "refusion"), "--num-val", "2", "--num-samples", "2",
-          "--block-sizes", "4", "8", "--first-tokens", "mask", "--thresholds", "0.9", "0.5", "--test-chosen-only",
-          "--ablations", "kv_reuse", "--no-own-ar", "--goal-drop", "0.03", "--goal-reuse", "2",
-          "--max-new-tokens", "8", "--threads", "1", "--out", str(out), *flags])
+    main([*refusion_checkpoints(tmp_path), *REAL_MODEL_FLAGS, "--out", str(out), *flags])
     return json.loads(out.with_suffix(".json").read_text())
 
 
@@ -166,3 +177,50 @@ def test_cuda_graphs_rows_measure_what_eager_rows_measure(tmp_path):
         for got, expected in zip(graphs[phase], eager[phase]):
             assert got["config"] == {**expected["config"], "cuda_graphs": True}
             assert untimed(got) == untimed(expected)
+
+
+def test_refusion_in_chunks_equals_one_run_and_keeps_its_val_table(tmp_path, monkeypatch):
+    """The test rows pooled from chunks of one problem equal one run's, time aside (the choice on val is made
+    by accuracy and TPF, so both runs test the same setting). A run stopped after its first chunk leaves that
+    chunk's table; a rerun decodes only the rest; read back again it decodes nothing, the val sweep included."""
+    import pardec.benchmarks.chunks as chunks
+    from pardec.benchmarks.refusion import VALIDATION_FILE, main
+    from tests.conftest import interrupt_evaluate
+
+    args = [*refusion_checkpoints(tmp_path), *REAL_MODEL_FLAGS, "--num-samples", "3", "--ablations", "kv_reuse",
+            "first_token"]
+    main([*args, "--out", str(tmp_path / "one")])
+    one = json.loads((tmp_path / "one.json").read_text())
+    rows, val_rows = len(one["test"]), len(one["validation"])
+    # base AR, the chosen setting, its recomputation and, where b = k = 4, its other first-token source
+    assert rows == 3 + (one["chosen_block_size"] == 4)
+
+    # Stopped after the val sweep (a warm-up and a decode per row) and the first chunk's rows (likewise).
+    evaluate = chunks.evaluate
+    interrupt_evaluate(monkeypatch, chunks, after=2 * val_rows + 2 * rows)
+    chunked = [*args, "--chunk-dir", str(tmp_path / "chunks"), "--chunk-size", "1", "--out", str(tmp_path / "c")]
+    with pytest.raises(KeyboardInterrupt):
+        main(chunked)
+    assert "1 of 3 problems done" in (tmp_path / "c.md").read_text()
+    assert [r["num_samples"] for r in json.loads((tmp_path / "c.json").read_text())["test"]] == [1] * rows
+    monkeypatch.setattr(chunks, "evaluate", evaluate)
+    calls = interrupt_evaluate(monkeypatch, chunks, after=3 * rows)
+    main(chunked)
+    assert calls == [1] * (3 * rows)  # the rows' warm-ups on the second chunk, then two chunks of every row
+    pooled = json.loads((tmp_path / "c.json").read_text())
+    assert "problems done" not in (tmp_path / "c.md").read_text()
+    assert pooled["chosen_label"] == one["chosen_label"] and pooled["goals"].keys() == one["goals"].keys()
+
+    def untimed(table: list[dict]) -> list[dict]:
+        return [{k: v for k, v in row.items() if k not in ("tps", "tps_ratio")} for row in table]
+
+    assert untimed(pooled["test"]) == untimed(one["test"])
+    assert untimed(pooled["validation"]) == untimed(one["validation"])
+    assert [len(json.loads((tmp_path / "chunks" / f"{i:04d}-{i + 1:04d}.json").read_text())["rows"])
+            for i in range(3)] == [rows] * 3
+
+    calls = interrupt_evaluate(monkeypatch, chunks, after=0)  # nothing may be decoded now
+    main(chunked)
+    assert calls == []
+    assert json.loads((tmp_path / "c.json").read_text()) == pooled  # read back: the same table, times included
+    assert f"read from {tmp_path / 'chunks' / VALIDATION_FILE}" in (tmp_path / "c.md").read_text()

@@ -23,6 +23,13 @@ One run, two phases, every row at batch 1 in this process after an untimed warm-
    ``--no-own-ar`` drops the checkpoint's own AR greedy rows (then "= own AR greedy" is "—"): how a
    run on a real model fits in a CPU budget.
 
+``--chunk-dir DIR``: the test rows decoded ``--chunk-size`` problems at a time, every row on each chunk in turn
+(so a drift of the machine's speed reaches a row and its reference alike), each chunk saved in DIR and skipped
+when the same command runs again; the table of the problems done so far is rewritten after every chunk
+(``pardec.benchmarks.chunks``). The val sweep's table is kept beside the chunks (``validation.json``) and read
+on restart, and the setting is chosen from it: a restart decodes the same rows, and a table read back from its
+chunks is the same table.
+
 The goals are flags (``--goal-tpf``, ``--goal-drop``, ``--goal-reuse``): the embedded default's are the
 defaults; the real-model run asks within 3 points and KV reuse >= 2x (``reproduce --real``).
 
@@ -48,6 +55,7 @@ import json
 
 import torch
 
+from pardec.benchmarks.chunks import Machine, Records, add_chunk_args, decode_all, decode_row, kept_in, progress_note
 from pardec.benchmarks.common import (
     RESULTS,
     add_runtime_args,
@@ -61,12 +69,14 @@ from pardec.benchmarks.common import (
     write_results,
 )
 from pardec.inference.checkpoint import load_checkpoint
-from pardec.inference.decoders.refusion import resolve_slot_size
-from pardec.inference.evaluate import evaluate
+from pardec.inference.decoders.refusion import resolve_slot_size, summarize_records
+from pardec.inference.metrics import compute_metrics
 
 OWN_AR = "AR greedy (ReFusion checkpoint)"
 SETTING_KEYS = ("block_size", "threshold", "first_token", "completion_drafts")
 ABLATIONS = ("kv_reuse", "fuse_plan", "first_token", "completion_drafts")
+VALIDATION_FILE = "validation.json"  # beside the chunks: the --num-val sweep's table (the choice is made from it)
+Row = tuple[str, str, dict]  # (label, model: "base" or "refusion", decoder config)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,6 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--goal-drop", type=float, default=0.02, help="... within this accuracy drop of the base")
     p.add_argument("--goal-reuse", type=float, default=1.5, help="goal: KV reuse TPS / recomputation TPS")
     add_runtime_args(p)
+    add_chunk_args(p)
     p.add_argument("--out", default=str(RESULTS / "refusion"))
     return p.parse_args(argv)
 
@@ -107,18 +118,6 @@ def _drafts(text: str) -> int | None:
     if value < 0:
         raise argparse.ArgumentTypeError(f"--completion-drafts {text}: must be >= 0 or 'all'")
     return value
-
-
-def run_row(label: str, model, tok, rows, decoder: dict, template: str = "auto") -> dict:
-    warmup = rows.select(range(min(2, len(rows))))
-    evaluate(model, tok, warmup, decoder, template=template, agreement=False, shard=False)  # untimed warm-up
-    result = evaluate(model, tok, rows, decoder, template=template, agreement=False, shard=False, progress=True)
-    m = result.metrics
-    row = {"decoder": label, "accuracy": m["accuracy"], "tpf": m["tpf"], "nfe_per_sample": m["nfe_per_sample"],
-           "tps": m["tps"], "slots_per_step": m.get("refusion_slots_per_step"), "num_samples": m["num_samples"],
-           "config": decoder}
-    print(json.dumps(row), flush=True)
-    return row, sorted(result.records, key=lambda r: r["index"])
 
 
 def ablations(setting: dict, slot_size: int, which=ABLATIONS) -> list[dict]:
@@ -144,27 +143,70 @@ def label(setting: dict, **ablation) -> str:
     return text + "".join(f", {k}={str(v).lower()}" for k, v in ablation.items())
 
 
-def phase(args, models, rows, settings: list[dict], slot_size: int, ablate: dict | None = None) -> list[dict]:
-    """AR greedy of the base and (unless ``--no-own-ar``) of the ReFusion checkpoint, then ReFusion at
-    every setting of ``settings``, and at ``ablate`` once per entry of :func:`ablations`."""
+def phase_rows(args, settings: list[dict], slot_size: int, ablate: dict | None = None) -> list[Row]:
+    """A phase's rows, in table order: AR greedy of the base and (unless ``--no-own-ar``) of the ReFusion
+    checkpoint, then ReFusion at every setting of ``settings``, and at ``ablate`` once per entry of
+    :func:`ablations`."""
     common = {"max_new_tokens": args.max_new_tokens, "batch_size": 1, "cuda_graphs": args.cuda_graphs}
     refusion = {"name": "refusion", **common, "slot_size": args.slot_size}
-    run = lambda name, which, decoder: run_row(name, *models[which], rows, decoder, args.template)  # noqa: E731
-    runs = [run("AR greedy (base)", "base", {"name": "ar", **common})]
+    rows = [("AR greedy (base)", "base", {"name": "ar", **common})]
     if not args.no_own_ar:
-        runs.append(run(OWN_AR, "refusion", {"name": "ar", **common}))
-    for setting in settings:
-        runs.append(run(label(setting), "refusion", {**refusion, **setting}))
+        rows.append((OWN_AR, "refusion", {"name": "ar", **common}))
+    rows += [(label(setting), "refusion", {**refusion, **setting}) for setting in settings]
     if ablate is not None:
-        for ablation in ablations(ablate, slot_size, args.ablations):
-            runs.append(run(label(ablate, **ablation), "refusion", {**refusion, **ablate, **ablation}))
-    base, base_records = runs[0]
-    own_records = None if args.no_own_ar else runs[1][1]
-    for row, records in runs:
-        row["tps_ratio"] = row["tps"] / base["tps"]
-        row["identical_to_base"] = identical(records, base_records)
-        row["identical_to_own_ar"] = None if own_records is None else identical(records, own_records)
-    return [row for row, _ in runs]
+        rows += [(label(ablate, **ablation), "refusion", {**refusion, **ablate, **ablation})
+                 for ablation in ablations(ablate, slot_size, args.ablations)]
+    return rows
+
+
+def sweep_rows(args, slot_size: int) -> list[Row]:
+    """The val sweep's rows: every (b, first token, tau) of the flags (the AR head's first token only at b = k)."""
+    grid = [{"block_size": b, "threshold": tau, "first_token": first, "completion_drafts": args.completion_drafts}
+            for b in args.block_sizes for first in args.first_tokens for tau in args.thresholds
+            if first == "mask" or b == slot_size]
+    if not grid:
+        raise SystemExit(f"--first-tokens ar needs a block size equal to the slot size {slot_size} in --block-sizes")
+    return phase_rows(args, grid, slot_size)
+
+
+def report_rows(args, chosen: dict, slot_size: int) -> list[Row]:
+    """The reported phase's rows (test, or ``--split``): the chosen setting at every tau of the sweep (the chosen
+    tau alone with ``--test-chosen-only``) and its ablations."""
+    taus = [chosen["threshold"]] if args.test_chosen_only else args.thresholds
+    return phase_rows(args, [{**chosen, "threshold": t} for t in taus], slot_size, ablate=chosen)
+
+
+def decode_rows(args, models, problems, rows: list[Row], warmed: set[str], first: int = 0) -> Records:
+    """Every row of ``rows`` on ``problems`` (the first numbered ``first``), one after the other, each warmed up
+    once (``warmed``, :func:`pardec.benchmarks.chunks.decode_row`); records by label in index order."""
+    return {label: decode_row(*models[which], problems, decoder, args.template, warmed, label, first)
+            for label, which, decoder in rows}
+
+
+def table_of(rows: list[Row], records: Records) -> list[dict]:
+    """One table row per entry of ``rows`` from its (pooled) records, in order; the first is the base's AR
+    greedy (the TPS ratios' and "= base AR greedy"'s reference), the checkpoint's own AR greedy (if run) the
+    reference of "= own AR greedy"."""
+    base_records, own_records = records[rows[0][0]], records.get(OWN_AR)
+    table = []
+    for name, _, decoder in rows:
+        recs = records[name]
+        m = compute_metrics(recs, decoder["name"] == "ar")
+        slots = summarize_records(recs)["refusion_slots_per_step"] if decoder["name"] == "refusion" else None
+        table.append({
+            "decoder": name, "accuracy": m["accuracy"], "tpf": m["tpf"], "nfe_per_sample": m["nfe_per_sample"],
+            "tps": m["tps"], "slots_per_step": slots, "num_samples": m["num_samples"], "config": decoder,
+            "tps_ratio": m["tps"] / table[0]["tps"] if table else 1.0,
+            "identical_to_base": identical(recs, base_records),
+            "identical_to_own_ar": None if own_records is None else identical(recs, own_records)})
+    return table
+
+
+def chunk_fingerprint(args, rows: list[Row], split: str) -> dict:
+    """What a phase's records are made by (pardec.benchmarks.chunks: a chunk of another setting is refused)."""
+    return {"benchmark": "refusion", "base": args.base, "refusion": args.refusion, "split": split,
+            "template": args.template, "device": args.device, "dtype": args.dtype, "threads": args.threads,
+            "rows": [[name, decoder] for name, _, decoder in rows]}  # the labels name the model
 
 
 def choose_setting(val_table: list[dict], max_drop: float) -> tuple[dict, str]:
@@ -226,32 +268,47 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     models = {name: load_checkpoint(path, device=args.device, dtype=args.dtype)
               for name, path in (("base", args.base), ("refusion", args.refusion))}
+    checkpoints = [args.base, args.refusion]
 
     slot_size = resolve_slot_size(models["refusion"][0], args.slot_size)
-    grid = [{"block_size": b, "threshold": tau, "first_token": first, "completion_drafts": args.completion_drafts}
-            for b in args.block_sizes for first in args.first_tokens for tau in args.thresholds
-            if first == "mask" or b == slot_size]
-    if not grid:
-        raise SystemExit(f"--first-tokens ar needs a block size equal to the slot size {slot_size} in --block-sizes")
-    val = phase(args, models, validation_rows(args.num_val), grid, slot_size)
+    val_rows = sweep_rows(args, slot_size)
+
+    def sweep() -> list[dict]:
+        table = table_of(val_rows, decode_rows(args, models, validation_rows(args.num_val), val_rows, set()))
+        for row in table:
+            print(json.dumps(row), flush=True)
+        return table
+
+    # swept once per chunk directory: a restart chooses from the same table
+    val, note = kept_in(args.chunk_dir, VALIDATION_FILE,
+                        {**chunk_fingerprint(args, val_rows, "val"), "num_val": args.num_val}, sweep, checkpoints)
+    kept_note = f", {note}" if note else ""
     chosen, rule = choose_setting(val, args.max_drop)
-    block, tau = chosen["block_size"], chosen["threshold"]
-    taus = [tau] if args.test_chosen_only else args.thresholds
-    test = phase(args, models, split_rows(args.split, args.num_samples), [{**chosen, "threshold": t} for t in taus],
-                 slot_size, ablate=chosen)
-    goals, goal_text = check_goals(test, chosen, slot_size, args)
-    command = invoked_command("pardec.benchmarks.refusion")
-    body = (
-        f"Validation split ({args.num_val} problems of the generator's val split; setting chosen here: "
-        f"{label(chosen)}, {rule}):\n\n{markdown(val)}\n\n"
-        f"{split_label(args.split).capitalize()} ({args.num_samples} problems):\n\n{markdown(test)}\n\n"
-        f"Goals on the {split_label(args.split)}: {goal_text}"
-    )
-    print(f"Command: {command}\n\n{body}")
-    write_results(args.out, command, body, {
-        "command": command, "chosen_block_size": block, "chosen_threshold": tau,
-        "chosen_first_token": chosen["first_token"], "chosen_label": label(chosen),
-        "choice_rule": rule, "validation": val, "test": test, "goals": goals})
+    test_rows = report_rows(args, chosen, slot_size)
+    problems = split_rows(args.split, args.num_samples)
+    command, warmed = invoked_command("pardec.benchmarks.refusion", argv), set()
+
+    def write_table(records: Records, done: int, machine: Machine) -> None:
+        test = table_of(test_rows, records)
+        for row in test:
+            print(json.dumps(row), flush=True)
+        goals, goal_text = check_goals(test, chosen, slot_size, args)
+        body = (
+            f"Validation split ({args.num_val} problems of the generator's val split{kept_note}; setting chosen "
+            f"here: {label(chosen)}, {rule}):\n\n{markdown(val)}\n\n"
+            f"{split_label(args.split).capitalize()} ({done} problems"
+            f"{progress_note(args.chunk_dir, args.chunk_size, done, len(problems))}):\n\n{markdown(test)}\n\n"
+            f"Goals on the {split_label(args.split)}: {goal_text}"
+        )
+        print(f"Command: {command}\n\n{body}", flush=True)
+        write_results(args.out, command, body, {
+            "command": command, "chosen_block_size": chosen["block_size"], "chosen_threshold": chosen["threshold"],
+            "chosen_first_token": chosen["first_token"], "chosen_label": label(chosen),
+            "choice_rule": rule, "validation": val, "test": test, "goals": goals}, machine=machine)
+
+    decode_all(problems, args.chunk_dir, args.chunk_size, chunk_fingerprint(args, test_rows, args.split),
+               lambda subset, first: decode_rows(args, models, subset, test_rows, warmed, first), write_table,
+               checkpoints)
 
 
 if __name__ == "__main__":

@@ -305,6 +305,24 @@ def _spans(slots: list[_Slot], end: int) -> list[tuple[_Slot, list[int]]]:
     return [(s, list(range(s.start, min(s.stop, end)))) for s in slots]
 
 
+def summarize_records(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Per-run aggregates of the decoder's records: mean slots accepted per plan-and-infill step, and the
+    forward mix (what :meth:`ReFusionDecoder.summarize` adds to a run's metrics; a benchmark that pools
+    records from several runs calls it on the pooled records)."""
+    total = {key: sum(r["stats"].get(key, 0) for r in records)
+             for key in ("steps", "slots_accepted", "wholesale_steps", "plan_forwards", "verify_forwards",
+                         "complete_forwards", "plans_fused", "drafts_completed")}
+    steps = total["steps"]
+    return {
+        "refusion_slots_per_step": total["slots_accepted"] / steps if steps else None,
+        "refusion_wholesale_fraction": total["wholesale_steps"] / steps if steps else None,
+        "refusion_steps_per_sample": steps / len(records) if records else None,
+        **{f"refusion_{key}": total[key]
+           for key in ("plan_forwards", "verify_forwards", "complete_forwards", "plans_fused",
+                       "drafts_completed")},
+    }
+
+
 class ReFusionDecoder(PerSampleDecoder):
     name = "refusion"
     # The checkpoint kinds it decodes: a causal LM with a trained <|mask|> (a ReFusion export).
@@ -319,19 +337,7 @@ class ReFusionDecoder(PerSampleDecoder):
         self.steps = StepsPool(cfg.cuda_graphs)
 
     def summarize(self, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        """Per-run aggregates: mean slots accepted per plan-and-infill step, and the forward mix."""
-        total = {key: sum(r["stats"].get(key, 0) for r in records)
-                 for key in ("steps", "slots_accepted", "wholesale_steps", "plan_forwards", "verify_forwards",
-                             "complete_forwards", "plans_fused", "drafts_completed")}
-        steps = total["steps"]
-        return {
-            "refusion_slots_per_step": total["slots_accepted"] / steps if steps else None,
-            "refusion_wholesale_fraction": total["wholesale_steps"] / steps if steps else None,
-            "refusion_steps_per_sample": steps / len(records) if records else None,
-            **{f"refusion_{key}": total[key]
-               for key in ("plan_forwards", "verify_forwards", "complete_forwards", "plans_fused",
-                           "drafts_completed")},
-        }
+        return summarize_records(records)
 
     # -- distributions ---------------------------------------------------------------------------
 
