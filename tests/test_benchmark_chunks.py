@@ -11,7 +11,7 @@ from pathlib import Path
 import datasets
 import pytest
 
-from pardec.benchmarks import cover, idlm_isd, jacobi_forcing, mdm_flashdlm
+from pardec.benchmarks import cover, idlm_isd, jacobi_forcing, mdm_flashdlm, refusion
 from pardec.benchmarks.chunks import BOUND_FILE, CHUNK_FILES, bound_fingerprint, chunk_bounds, run_in_chunks
 from pardec.cli.reproduce import REAL, REAL_STEPS
 from tests.conftest import save_chat_checkpoint, stopped_after_first_chunk
@@ -259,12 +259,13 @@ def step_args(step_name: str) -> list[str]:
 MDM_BLOCK = 2
 MDM_BLOCK8 = 8  # that of smollm2_mdm_lora_2000_block8 (the block-8 FlashDLM and COVER tables')
 JACOBI_ROUND1_BLOCK = 8  # the round-1 block size of experiment smollm2_jacobi_forcing_lora_1500 (its trained n)
+REFUSION_SLOT = 8  # recipe.export_slot_size of experiment smollm2_refusion_lora_3000 (the checkpoint's slot size)
 
 
 def test_the_reproduce_commands_still_make_the_committed_chunks_fingerprints():
     """``pardec.cli.reproduce --real`` goes on from the committed chunks only when its commands fingerprint
     them as they were made (a new config key, even at its default, would have every chunk refused): the
-    R-ISD, I-DLM, Jacobi Forcing, FlashDLM and COVER tables' settings today against their first chunk's (the
+    R-ISD, I-DLM, Jacobi Forcing, ReFusion, FlashDLM and COVER tables' settings today against their first chunk's (the
     torch version and the checkpoints' digests, added when decoding, aside)."""
     args = idlm_isd.parse_args(step_args("cpu_risd"))
     stride = json.loads((REAL_CHUNKS.parent / "cpu_risd.json").read_text())[-1]["stride"]  # the gated LoRA's
@@ -295,6 +296,16 @@ def test_the_reproduce_commands_still_make_the_committed_chunks_fingerprints():
     widths = [1, *sorted({d["block_size"] for _, _, d in [*val_rows, *jacobi_forcing.decoding_rows(args, trained, None)]
                           if d["name"] == "jacobi"})]
     assert kept_fingerprint("cpu_jacobi_forcing", BOUND_FILE) == bound_fingerprint(args, "jacobi_forcing", widths)
+
+    args = refusion.parse_args(step_args("cpu_refusion"))
+    val_rows = refusion.sweep_rows(args, REFUSION_SLOT)
+    val_fingerprint = {**refusion.chunk_fingerprint(args, val_rows, "val"), "num_val": args.num_val}
+    assert kept_fingerprint("cpu_refusion", refusion.VALIDATION_FILE) == json.loads(json.dumps(val_fingerprint))
+    kept = json.loads((REAL_CHUNKS / "cpu_refusion" / refusion.VALIDATION_FILE).read_text())["rows"]
+    chosen, _ = refusion.choose_setting(kept, args.max_drop)  # the choice the committed sweep makes
+    rows = refusion.report_rows(args, chosen, REFUSION_SLOT)
+    assert json.loads(json.dumps(refusion.chunk_fingerprint(args, rows, args.split))) == committed_fingerprint(
+        "cpu_refusion")
 
     for step_name, block in (("cpu_mdm_flashdlm", MDM_BLOCK), ("cpu_mdm_flashdlm_block8", MDM_BLOCK8)):
         args = mdm_flashdlm.parse_args(step_args(step_name))

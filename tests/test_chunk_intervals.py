@@ -107,7 +107,7 @@ def test_too_few_resamples_are_refused(tmp_path):
 
 
 # Each chunked benchmark's JSON keys for TPS / base AR and TPS / baseline (None: the benchmark has no baseline).
-SAVED_RATIOS = {"idlm_isd": ("tps_ratio", None), "jacobi_forcing": ("tps_ratio", None),
+SAVED_RATIOS = {"idlm_isd": ("tps_ratio", None), "jacobi_forcing": ("tps_ratio", None), "refusion": ("tps_ratio", None),
                 "mdm_flashdlm": ("tps_vs_base_ar", "tps_vs_mdm_baseline"), "cover": ("tps_vs_base_ar", "tps_ratio")}
 
 

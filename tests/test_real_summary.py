@@ -200,7 +200,7 @@ def test_a_missing_chosen_row_is_listed_by_its_short_name(folders):
     results = folders
     table, missing = real_summary.build(results, {})
     text = real_summary.markdown(table, missing)
-    assert ("- ReFusion, ReFusion (LoRA r=64, 3000 steps) on the CPU SFT base as an Intel CPU re-built it, "
+    assert ("- ReFusion, ReFusion (LoRA r=64, 3000 steps) on the CPU SFT base, "
             "ReFusion (chosen on val) (CPU, 2 cores)") in text
 
 

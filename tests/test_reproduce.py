@@ -145,7 +145,7 @@ def test_chunk_dir_moves_the_mdm_tables_chunks_and_is_for_real_only(pipeline, mo
     chunked = [s for s in reproduce.REAL_STEPS if "--chunk-dir" in s.command]
     assert {s.name: reproduce.chunk_dir_of(s) for s in chunked} == {
         name: f"{reproduce.REAL_CHUNKS}/{name}"
-        for name in ("cpu_risd", "cpu_idlm", "cpu_jacobi_forcing", "cpu_mdm_flashdlm", "cpu_cover",
+        for name in ("cpu_risd", "cpu_idlm", "cpu_jacobi_forcing", "cpu_refusion", "cpu_mdm_flashdlm", "cpu_cover",
                      "cpu_mdm_flashdlm_block8", "cpu_cover_block8")}
     for step in reproduce.REAL_STEPS:
         moved = reproduce.with_chunk_root(step, "elsewhere/chunks")
@@ -177,8 +177,8 @@ def test_chunk_steps_moves_only_the_named_steps_chunks(pipeline, monkeypatch, ca
     assert "--chunk-dir elsewhere/cpu_mdm_flashdlm " in lines["cpu_mdm_flashdlm"]
     for name in ("cpu_mdm_flashdlm_block8", "cpu_cover_block8"):
         assert f"--chunk-dir {reproduce.REAL_CHUNKS}/{name} " in lines[name]
-    with pytest.raises(SystemExit, match=r"--chunk-steps: \['cpu_refusion'\] decode no chunks"):
-        reproduce.main(["--real", "--chunk-dir", "elsewhere", "--chunk-steps", "cpu_refusion", "cpu_cover"])
+    with pytest.raises(SystemExit, match=r"--chunk-steps: \['cpu_mdm_val_block'\] decode no chunks"):
+        reproduce.main(["--real", "--chunk-dir", "elsewhere", "--chunk-steps", "cpu_mdm_val_block", "cpu_cover"])
     with pytest.raises(SystemExit, match="give --chunk-dir too"):
         reproduce.main(["--real", "--chunk-steps", "cpu_cover"])
 

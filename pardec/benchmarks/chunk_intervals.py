@@ -1,14 +1,14 @@
 # python -m pardec.benchmarks.chunk_intervals benchmarks/results/real/chunks/cpu_risd \
 #   benchmarks/results/real/chunks/cpu_idlm benchmarks/results/real/chunks/cpu_jacobi_forcing \
-#   benchmarks/results/real/chunks/cpu_mdm_flashdlm \
+#   benchmarks/results/real/chunks/cpu_refusion benchmarks/results/real/chunks/cpu_mdm_flashdlm \
 #   benchmarks/results/real/chunks/cpu_cover benchmarks/results/real/chunks/cpu_mdm_flashdlm_block8 \
 #   benchmarks/results/real/chunks/cpu_cover_block8 --out benchmarks/results/real/chunk_intervals
 """95% intervals for a chunked table's TPS ratios and accuracy gaps, from its saved chunks alone.
 
-A chunked benchmark (:mod:`pardec.benchmarks.chunks`: ``idlm_isd``, ``jacobi_forcing``, ``mdm_flashdlm``, ``cover``)
-decodes every row of its table on each chunk of problems in turn, so each chunk holds every row's
-committed tokens, decoding time and answers from the same few minutes of the machine's run. The chunks
-are the units resampled: a percentile bootstrap over chunks (``--resamples`` draws of as many chunks as
+A chunked benchmark (:mod:`pardec.benchmarks.chunks`: ``idlm_isd``, ``jacobi_forcing``, ``refusion``,
+``mdm_flashdlm``, ``cover``) decodes every row of its table on each chunk of problems in turn, so each chunk
+holds every row's committed tokens, decoding time and answers from the same few minutes of the machine's run.
+The chunks are the units resampled: a percentile bootstrap over chunks (``--resamples`` draws of as many chunks as
 the table has, with replacement, seeded by ``--seed``; one draw serves every row, so a ratio's two rows
 are resampled together) recomputes each statistic from pooled sums, as the table does, and its 2.5th
 and 97.5th percentiles are the interval. The statistics, for every row:

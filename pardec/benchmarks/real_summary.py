@@ -142,7 +142,7 @@ ROWS: tuple[RealRow, ...] = (
               "cpu_jacobi_forcing", "jacobi_forcing", jacobi_chosen(kind),
               jacobi_short(kind, short), "smollm2_jacobi_forcing_lora_1500", "own", JACOBI_CPU)
       for kind, short in (("jacobi", "Jacobi"), ("multiblock", "multi-block"))),
-    RealRow("ReFusion", "ReFusion (LoRA r=64, 3000 steps) on the CPU SFT base as an Intel CPU re-built it", CPU,
+    RealRow("ReFusion", "ReFusion (LoRA r=64, 3000 steps) on the CPU SFT base", CPU,
             "cpu_refusion", "refusion", refusion_chosen, "ReFusion", "smollm2_refusion_lora_3000", refusion_lossless,
             REFUSION_CPU),
     # The FlashDLM and COVER rows decode the pipeline's MDM conversion (pardec/cli/reproduce.py, REAL_MDM).

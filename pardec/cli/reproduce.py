@@ -113,9 +113,11 @@ LOCAL_CHUNKS = "runs/reproduce_real/chunks"  # what a refused step suggests as -
 REAL_IDLM = "runs/smollm2_idlm_lora/stages/02-stride4"
 # ReFusion with the same LoRA on five times the steps of smollm2_refusion_lora (itself 12 and 13 test points above
 # full fine-tuning, smollm2_refusion), its rows padded to the longest (data.pad_to=longest), which keeps the 3000
-# steps within the budget (44.8 min on an Intel Xeon). On test b=8 with the AR head's first token and speculative
-# completion (chosen on val) answers 67.5% (the base 65.5%; 600 steps: 54.5%) at TPF 2.85 and 1.65x the base's AR
-# (2.15 and 1.29x with the paper's completion, same run), token for token its own AR greedy (docs/results/real_cpu.md).
+# steps within the budget (44.8 min on an Intel Xeon, 56.2 on an AMD EPYC). On test b=8 with speculative completion
+# answers 63.0% on the AMD EPYC's build (the base 65.5%; 600 steps: 54.5%) at TPF 2.93 and 1.84x the base's AR with the
+# paper's first token, which val chose there (65.0% with the AR head's, token for token its own AR greedy; the Intel
+# build: 67.5% at 2.85 and 1.65x with the AR head's), 2.16 and 1.65x with the paper's completion
+# (docs/results/real_cpu.md).
 REAL_REFUSION = "runs/smollm2_refusion_lora_3000"
 # Jacobi Forcing with the same LoRA on five times the trajectories and steps of smollm2_jacobi_forcing_lora (itself
 # 2.5 and 3.5 test points above full fine-tuning, smollm2_jacobi_forcing), its rows padded to the longest
@@ -158,17 +160,18 @@ REAL_STEPS: tuple[Step, ...] = (
                        "--threads", "2", "--out", f"{REAL}/cpu_idlm"], (SMOLLM2, REAL_IDLM),
           module="pardec.benchmarks.idlm_isd"),
     train("smollm2_refusion_lora_3000"),
-    # Sized for the 2-core CPU (39.6 min on an Intel Xeon): (b, first token, tau) chosen on 30 val problems at
-    # 96 new tokens among b = 8 (one slot: the paper's first token or the AR head's) and b = 16 (two slots, the
-    # paper's), as the embedded default, every row completing speculatively (all of a slot's drafts); on the test
-    # problems both AR greedy rows, the chosen setting, its recomputation ablation, (at b = k) the other first-token
-    # source and the paper's completion (one token per forward) only.
+    # Sized for the 2-core CPU (60.6 min in chunks on an AMD EPYC): (b, first token, tau) chosen on 30 val problems
+    # at 96 new tokens among b = 8 (one slot: the paper's first token or the AR head's) and b = 16 (two slots, the
+    # paper's), as the embedded default, every row completing speculatively (all of a slot's drafts; the sweep kept
+    # beside the chunks); on the test problems both AR greedy rows, the chosen setting, its recomputation ablation,
+    # (at b = k) the other first-token source and the paper's completion (one token per forward) only, in chunks of 10.
     bench("cpu_refusion", ["--base", f"{SMOLLM2}/hf", "--refusion", f"{REAL_REFUSION}/hf", "--num-val", "30",
                            "--block-sizes", "8", "16", "--first-tokens", "mask", "ar", "--thresholds", "0.9", "0.7",
                            "0.5", "--completion-drafts", "all", "--max-drop", "0.03", "--test-chosen-only",
                            "--ablations", "kv_reuse", "first_token", "completion_drafts", "--goal-drop", "0.03",
-                           "--goal-reuse", "2", "--max-new-tokens", "96", "--threads", "2",
-                           "--out", f"{REAL}/cpu_refusion"], (SMOLLM2, REAL_REFUSION),
+                           "--goal-reuse", "2", "--max-new-tokens", "96", "--chunk-dir", f"{REAL_CHUNKS}/cpu_refusion",
+                           "--chunk-size", "10", "--threads", "2", "--out", f"{REAL}/cpu_refusion"],
+          (SMOLLM2, REAL_REFUSION),
           module="pardec.benchmarks.refusion"),
     train("smollm2_jacobi_forcing_lora_1500", "00-round1"),
     # One round (the conversion's budget); n chosen among 4, 8, 16 on 30 val problems (for TPS; the choice kept beside
