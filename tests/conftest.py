@@ -183,19 +183,22 @@ def interrupt_evaluate(monkeypatch, module, after: int) -> list[int]:
 
 
 def stopped_after_first_chunk(monkeypatch, module, args: list[str], out_dir: Path, rows: int,
-                              problems: int, decoding=None) -> list[str]:
-    """``module.main(args)`` in chunks of one problem under ``out_dir``, stopped after the first chunk's
-    ``rows`` rows (each after its warm-up) by the ``evaluate`` of ``decoding`` (the module that calls it,
-    ``module`` by default); checks that the table it left covers that chunk and says so, restores that
-    ``evaluate`` and returns the chunked arguments, to run again."""
+                              problems: int, decoding=None, before: int = 0) -> list[str]:
+    """``module.main(args)`` in chunks of one problem under ``out_dir``, stopped after ``before`` calls of
+    ``evaluate`` (a val sweep's) and the first chunk's ``rows`` rows (each after its warm-up) by the
+    ``evaluate`` of ``decoding`` (the module that calls it, ``module`` by default); checks that the table it
+    left covers that chunk and says so, restores that ``evaluate`` and returns the chunked arguments, to run
+    again."""
     decoding = decoding or module
     evaluate = decoding.evaluate
-    interrupt_evaluate(monkeypatch, decoding, after=2 * rows)
+    interrupt_evaluate(monkeypatch, decoding, after=before + 2 * rows)
     chunked = [*args, "--chunk-dir", str(out_dir / "chunks"), "--chunk-size", "1", "--out", str(out_dir / "c")]
     with pytest.raises(KeyboardInterrupt):
         module.main(chunked)
     assert f"1 of {problems} problems done" in (out_dir / "c.md").read_text()
     table = json.loads((out_dir / "c.json").read_text())
-    assert [r["num_samples"] for r in (table["test"] if isinstance(table, dict) else table)] == [1] * rows
+    if isinstance(table, dict):  # the test rows beside a val phase (jacobi_forcing's under "decoding")
+        table = table.get("test") or table["decoding"]
+    assert [r["num_samples"] for r in table] == [1] * rows
     monkeypatch.setattr(decoding, "evaluate", evaluate)
     return chunked

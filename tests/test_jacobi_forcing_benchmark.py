@@ -157,7 +157,7 @@ def test_jacobi_in_chunks_equals_one_run_and_keeps_its_val_choice(tmp_path, monk
     import pardec.benchmarks.chunks as chunks
     import pardec.benchmarks.jacobi_forcing as bench
     from pardec.benchmarks.common import identical
-    from tests.conftest import interrupt_evaluate
+    from tests.conftest import interrupt_evaluate, stopped_after_first_chunk
 
     base = save_base_and_round1(tmp_path)
     args = ["--base", str(base), "--round1", str(tmp_path / "round1"), "--num-samples", "3", "--max-new-tokens", "8",
@@ -168,14 +168,8 @@ def test_jacobi_in_chunks_equals_one_run_and_keeps_its_val_choice(tmp_path, monk
     rows = len(one["decoding"])
 
     # Stopped after the val sweep (a warm-up and a decode per row) and the first chunk's rows (likewise).
-    evaluate = chunks.evaluate
-    interrupt_evaluate(monkeypatch, chunks, after=2 * len(one["validation"]) + 2 * rows)
-    chunked = [*args, "--chunk-dir", str(tmp_path / "chunks"), "--chunk-size", "1", "--out", str(tmp_path / "c")]
-    with pytest.raises(KeyboardInterrupt):
-        main(chunked)
-    assert "1 of 3 problems done" in (tmp_path / "c.md").read_text()
-    assert [r["num_samples"] for r in json.loads((tmp_path / "c.json").read_text())["decoding"]] == [1] * rows
-    monkeypatch.setattr(chunks, "evaluate", evaluate)
+    chunked = stopped_after_first_chunk(monkeypatch, bench, args, tmp_path, rows, 3, decoding=chunks,
+                                        before=2 * len(one["validation"]))
     calls = interrupt_evaluate(monkeypatch, chunks, after=3 * rows)
     main(chunked)
     assert calls == [1] * (3 * rows)  # the rows' warm-ups on the second chunk, then two chunks of every row

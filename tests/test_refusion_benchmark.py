@@ -2,8 +2,6 @@
 the test phase's ablations of the chosen setting, and the test rows decoded in chunks."""
 import json
 
-import pytest
-
 from pardec.benchmarks.refusion import OWN_AR, ablations, check_goals, choose_setting, label, parse_args
 
 
@@ -184,8 +182,9 @@ def test_refusion_in_chunks_equals_one_run_and_keeps_its_val_table(tmp_path, mon
     by accuracy and TPF, so both runs test the same setting). A run stopped after its first chunk leaves that
     chunk's table; a rerun decodes only the rest; read back again it decodes nothing, the val sweep included."""
     import pardec.benchmarks.chunks as chunks
+    import pardec.benchmarks.refusion as bench
     from pardec.benchmarks.refusion import VALIDATION_FILE, main
-    from tests.conftest import interrupt_evaluate
+    from tests.conftest import interrupt_evaluate, stopped_after_first_chunk
 
     args = [*refusion_checkpoints(tmp_path), *REAL_MODEL_FLAGS, "--num-samples", "3", "--ablations", "kv_reuse",
             "first_token"]
@@ -196,14 +195,8 @@ def test_refusion_in_chunks_equals_one_run_and_keeps_its_val_table(tmp_path, mon
     assert rows == 3 + (one["chosen_block_size"] == 4)
 
     # Stopped after the val sweep (a warm-up and a decode per row) and the first chunk's rows (likewise).
-    evaluate = chunks.evaluate
-    interrupt_evaluate(monkeypatch, chunks, after=2 * val_rows + 2 * rows)
-    chunked = [*args, "--chunk-dir", str(tmp_path / "chunks"), "--chunk-size", "1", "--out", str(tmp_path / "c")]
-    with pytest.raises(KeyboardInterrupt):
-        main(chunked)
-    assert "1 of 3 problems done" in (tmp_path / "c.md").read_text()
-    assert [r["num_samples"] for r in json.loads((tmp_path / "c.json").read_text())["test"]] == [1] * rows
-    monkeypatch.setattr(chunks, "evaluate", evaluate)
+    chunked = stopped_after_first_chunk(monkeypatch, bench, args, tmp_path, rows, 3, decoding=chunks,
+                                        before=2 * val_rows)
     calls = interrupt_evaluate(monkeypatch, chunks, after=3 * rows)
     main(chunked)
     assert calls == [1] * (3 * rows)  # the rows' warm-ups on the second chunk, then two chunks of every row
