@@ -78,6 +78,15 @@ def decode_row(model, tok, problems, decoder: dict, template: str, warmed: set[s
     return sorted(result.records, key=lambda r: r["index"])
 
 
+def decode_rows(models: dict, problems, rows: list[tuple[str, str, dict]], template: str, warmed: set[str],
+                first: int = 0) -> Records:
+    """Every row of ``rows`` (``(label, model key in models, decoder config)``) on ``problems`` (the first numbered
+    ``first``), one after the other, each warmed up once (``warmed``, :func:`decode_row`); records by label in
+    index order."""
+    return {label: decode_row(*models[which], problems, decoder, template, warmed, label, first)
+            for label, which, decoder in rows}
+
+
 def chunk_bounds(num_problems: int, chunk_size: int) -> list[tuple[int, int]]:
     """``[(first, end), ...]`` covering ``range(num_problems)`` in order, ``chunk_size`` at a time."""
     if chunk_size < 1:

@@ -92,7 +92,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from pardec.benchmarks.chunks import add_chunk_args, decode_all, decode_row, kept_bound, kept_in, progress_note
+from pardec.benchmarks.chunks import add_chunk_args, decode_all, decode_rows, kept_bound, kept_in, progress_note
 from pardec.benchmarks.common import (
     RESULTS,
     add_bound_args,
@@ -254,13 +254,6 @@ def choose_block_size(val_table: list[dict], decoder: str = "jacobi") -> tuple[i
     return best["decoder_config"]["block_size"], rule
 
 
-def decode_rows(args, models, problems, rows: list[Row], warmed: set[str], first: int = 0) -> dict[str, list[dict]]:
-    """Every row of ``rows`` on ``problems`` (the first numbered ``first``), one after the other, each warmed up
-    once (``warmed``, :func:`pardec.benchmarks.chunks.decode_row`); records by label in index order."""
-    return {label: decode_row(*models[which], problems, decoder, args.template, warmed, label, first)
-            for label, which, decoder in rows}
-
-
 def table_of(rows: list[Row], records: dict[str, list[dict]], latency: dict) -> list[dict]:
     """One table row per entry of ``rows`` from its (pooled) records, in order: each model's AR greedy comes
     before its parallel rows (their reference), the first row is the base's (the TPS ratios' reference)."""
@@ -286,7 +279,7 @@ def table_of(rows: list[Row], records: dict[str, list[dict]], latency: dict) -> 
 
 def measure(args, models, eval_rows, rows: list[Row], latency: dict) -> list[dict]:
     """The table of ``rows`` on ``eval_rows`` decoded in one go (the validation rows)."""
-    table = table_of(rows, decode_rows(args, models, eval_rows, rows, set()), latency)
+    table = table_of(rows, decode_rows(models, eval_rows, rows, args.template, set()), latency)
     for row in table:
         print(json.dumps(row), flush=True)
     return table
@@ -537,8 +530,8 @@ def main(argv: list[str] | None = None) -> None:
         write_results(args.out, command, md, payload, machine=machine)
 
     decode_all(eval_rows, args.chunk_dir, args.chunk_size, chunk_fingerprint(args, rows),
-               lambda problems, first: decode_rows(args, models, problems, rows, warmed, first), write_table,
-               checkpoints)
+               lambda problems, first: decode_rows(models, problems, rows, args.template, warmed, first),
+               write_table, checkpoints)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ import json
 
 import torch
 
-from pardec.benchmarks.chunks import Machine, Records, add_chunk_args, decode_all, decode_row, kept_in, progress_note
+from pardec.benchmarks.chunks import Machine, Records, add_chunk_args, decode_all, decode_rows, kept_in, progress_note
 from pardec.benchmarks.common import (
     RESULTS,
     add_runtime_args,
@@ -176,13 +176,6 @@ def report_rows(args, chosen: dict, slot_size: int) -> list[Row]:
     return phase_rows(args, [{**chosen, "threshold": t} for t in taus], slot_size, ablate=chosen)
 
 
-def decode_rows(args, models, problems, rows: list[Row], warmed: set[str], first: int = 0) -> Records:
-    """Every row of ``rows`` on ``problems`` (the first numbered ``first``), one after the other, each warmed up
-    once (``warmed``, :func:`pardec.benchmarks.chunks.decode_row`); records by label in index order."""
-    return {label: decode_row(*models[which], problems, decoder, args.template, warmed, label, first)
-            for label, which, decoder in rows}
-
-
 def table_of(rows: list[Row], records: Records) -> list[dict]:
     """One table row per entry of ``rows`` from its (pooled) records, in order; the first is the base's AR
     greedy (the TPS ratios' and "= base AR greedy"'s reference), the checkpoint's own AR greedy (if run) the
@@ -274,7 +267,8 @@ def main(argv: list[str] | None = None) -> None:
     val_rows = sweep_rows(args, slot_size)
 
     def sweep() -> list[dict]:
-        table = table_of(val_rows, decode_rows(args, models, validation_rows(args.num_val), val_rows, set()))
+        records = decode_rows(models, validation_rows(args.num_val), val_rows, args.template, set())
+        table = table_of(val_rows, records)
         for row in table:
             print(json.dumps(row), flush=True)
         return table
@@ -307,8 +301,8 @@ def main(argv: list[str] | None = None) -> None:
             "choice_rule": rule, "validation": val, "test": test, "goals": goals}, machine=machine)
 
     decode_all(problems, args.chunk_dir, args.chunk_size, chunk_fingerprint(args, test_rows, args.split),
-               lambda subset, first: decode_rows(args, models, subset, test_rows, warmed, first), write_table,
-               checkpoints)
+               lambda subset, first: decode_rows(models, subset, test_rows, args.template, warmed, first),
+               write_table, checkpoints)
 
 
 if __name__ == "__main__":
