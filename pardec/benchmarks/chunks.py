@@ -1,5 +1,5 @@
 """A long benchmark run in chunks of problems that survives being stopped (``mdm_flashdlm``, ``cover``,
-``idlm_isd``, ``jacobi_forcing``).
+``idlm_isd``, ``jacobi_forcing``, ``refusion``).
 
 On two CPU cores the MDM decoders cost 15-25 s per problem, so one table on the 200 test problems
 takes hours. With ``--chunk-dir DIR`` the benchmark decodes its problems ``--chunk-size`` at a
