@@ -130,7 +130,8 @@ def test_chunks_of_another_setting_or_broken_are_refused(tmp_path):
 
 def test_chunks_name_checkpoints_by_content(tmp_path):
     """A checkpoint re-built with the same bytes (a later session's) is the same checkpoint; one file
-    changed is refused, naming the checkpoint and the file; its README is not compared."""
+    changed is refused, naming the checkpoint and the file; its README and the ``eval/`` runs
+    ``pardec-validate`` writes into it are not compared."""
     ckpt = tmp_path / "hf"
     ckpt.mkdir()
     for name, content in (("model.safetensors", b"w1"), ("config.json", b"{}"), ("README.md", b"made at noon")):
@@ -145,7 +146,14 @@ def test_chunks_name_checkpoints_by_content(tmp_path):
 
     for name in ("model.safetensors", "README.md"):  # rewritten: same weights, another README
         (ckpt / name).write_bytes(b"w1" if name == "model.safetensors" else b"made at midnight")
+    (ckpt / "eval" / "ar_greedy").mkdir(parents=True)  # validated after the chunks were decoded
+    (ckpt / "eval" / "ar_greedy" / "metrics.json").write_text('{"tps": 23.5}')
     assert run_in_chunks(problems(2), 1, chunks, {"k": 1}, must_not_run, checkpoints=[ckpt]) == fake_rows(problems(2))
+    (ckpt / "adapter").mkdir()  # a file in any other folder (a gated LoRA's adapter) is the checkpoint's
+    (ckpt / "adapter" / "adapter_model.safetensors").write_bytes(b"a1")
+    with pytest.raises(ValueError, match=f"0000-0001.json.*checkpoint {ckpt}: adapter/adapter_model.safetensors"):
+        run_in_chunks(problems(2), 1, chunks, {"k": 1}, must_not_run, checkpoints=[ckpt])
+    (ckpt / "adapter" / "adapter_model.safetensors").unlink()
     (ckpt / "model.safetensors").write_bytes(b"w2")
     with pytest.raises(ValueError, match=f"0000-0001.json.*checkpoint {ckpt}: model.safetensors differs\\)"):
         run_in_chunks(problems(2), 1, chunks, {"k": 1}, must_not_run, checkpoints=[ckpt])

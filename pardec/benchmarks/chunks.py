@@ -44,6 +44,7 @@ import torch
 
 from pardec.benchmarks.common import current_machine, machine_name
 from pardec.benchmarks.real_model_speed import forward_latencies
+from pardec.common.model_card import CARD, EVAL_DIR
 from pardec.inference.evaluate import evaluate
 from pardec.trainers.checkpoint import compute_checksums
 
@@ -96,11 +97,14 @@ def chunk_bounds(num_problems: int, chunk_size: int) -> list[tuple[int, int]]:
 
 def checkpoint_digest(path: str | Path) -> dict[str, str]:
     """The sha256 of every file of a checkpoint directory (a Hugging Face export: weights, config,
-    tokenizer) but its README, by file name; what a chunk names the checkpoint it decoded with."""
+    tokenizer) by file name, but what is written into it after the export: its model card and the
+    ``eval/`` runs of ``pardec-validate`` (``reproduce --real`` validates the base there before any
+    benchmark, and their metrics hold times). What a chunk names the checkpoint it decoded with."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint {path} is not a directory")
-    return {name: digest["sha256"] for name, digest in compute_checksums(path).items() if name != "README.md"}
+    return {name: digest["sha256"] for name, digest in compute_checksums(path).items()
+            if name != CARD and not name.startswith(f"{EVAL_DIR}/")}
 
 
 def with_checkpoints(fingerprint: dict[str, Any], checkpoints: Iterable[str | Path]) -> dict[str, Any]:
