@@ -3,7 +3,7 @@
 #   benchmarks/results/real/chunks/cpu_refusion benchmarks/results/real/chunks/cpu_mdm_flashdlm \
 #   benchmarks/results/real/chunks/cpu_cover benchmarks/results/real/chunks/cpu_mdm_flashdlm_block8 \
 #   benchmarks/results/real/chunks/cpu_cover_block8 benchmarks/results/real/chunks/cpu_mdm_lora_2800_baseline \
-#   --out benchmarks/results/real/chunk_intervals
+#   benchmarks/results/real/chunks/cpu_mdm_lora_2800_flashdlm --out benchmarks/results/real/chunk_intervals
 """95% intervals for a chunked table's TPS ratios and accuracy gaps, from its saved chunks alone.
 
 A chunked benchmark (:mod:`pardec.benchmarks.chunks`: ``idlm_isd``, ``jacobi_forcing``, ``refusion``,
