@@ -37,7 +37,8 @@ def test_measured_rows_missing_rows_and_wall_times(folders, tmp_path):
     real_summary.main(["--results-dir", str(results), "--out-dir", str(tmp_path / "out"),
                        "--embedded", str(tmp_path / "absent.json")])
     table = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert [(r["method"], r["hardware"]) for r in table] == [("AR", real_summary.CPU), ("R-ISD", real_summary.CPU)]
+    assert [(r["method"], r["hardware"], r["gpu"]) for r in table] == [
+        ("AR", real_summary.CPU, False), ("R-ISD", real_summary.CPU, False)]
     risd = table[1]
     assert risd["lossless_verified"] and risd["tps_ratio"] == 1.5 and risd["conversion_seconds"] == 3000.0
     assert table[0]["conversion_seconds"] is None  # the SFT step has no recorded time
@@ -47,7 +48,7 @@ def test_measured_rows_missing_rows_and_wall_times(folders, tmp_path):
     assert (tmp_path / "out" / "summary.png").stat().st_size > 0
 
 
-def test_cpu_conversion_and_benchmark_machines_are_named_below_the_table(folders):
+def test_cpu_conversion_machines_are_named_below_the_table(folders):
     assert real_summary.cpu_machines(folders) is None  # no entry names its machine
     epyc = "AMD EPYC (family 26, model 2), 2 cores"
     path = folders / "cpu_conversions.json"
@@ -56,15 +57,30 @@ def test_cpu_conversion_and_benchmark_machines_are_named_below_the_table(folders
     entries["smollm2_refusion_lora_3000"] = {"wall_seconds": 2700.0, "machine": epyc}
     entries["smollm2_idlm"] = {"wall_seconds": 1900.0, "machine": "Xeon, 2 cores"}  # on record, no row decodes it
     path.write_text(json.dumps(entries))
-    (folders / "machines.json").write_text(json.dumps({  # a GPU table and an unknown table are not CPU rows
-        "cpu_refusion": {"cpu": epyc, "gpu": None}, "gpu_risd_h100": {"cpu": "Xeon, 64 cores", "gpu": "H100"},
-        "cpu_jacobi_forcing": {"cpu": "Xeon, 2 cores", "gpu": None}, "other": {"cpu": "Xeon, 2 cores"}}))
     assert real_summary.cpu_machines(folders) == (
         "CPU conversion wall times were measured on: not recorded: `smollm2_risd`; "
-        f"{epyc}: `smollm2_sft`, `smollm2_refusion_lora_3000`. CPU benchmarks (their TPS) were run on: "
-        "not recorded: `cpu_risd`, `cpu_idlm`, `cpu_mdm_flashdlm`, `cpu_cover`, `cpu_mdm_flashdlm_block8`, "
-        "`cpu_cover_block8`; "
-        f"Xeon, 2 cores: `cpu_jacobi_forcing`; {epyc}: `cpu_refusion`.")
+        f"{epyc}: `smollm2_sft`, `smollm2_refusion_lora_3000`.")
+
+
+def test_a_cpu_rows_hardware_is_the_cpu_its_table_ran_on(folders):
+    """TPS ratios move with the kind of CPU, so each CPU row names its table's CPU from machines.json; a
+    table it has no entry for keeps the generic name, and a GPU table's row its GPU."""
+    xeon = "Intel Xeon (family 6, model 207), 2 cores"
+    for name in ("cpu_risd", "gpu_risd_h100"):
+        (folders / f"{name}.json").write_text(json.dumps([
+            bench_row("AR greedy (base)", 1.0, 1.0, 1.0), bench_row("R-ISD N=3 greedy (gated LoRA)", 1.0, 2.4, 1.5)]))
+    machines = {"cpu_risd": {"cpu": xeon, "gpu": None}, "gpu_risd_h100": {"cpu": "Xeon, 64 cores", "gpu": "H100"}}
+    (folders / "machines.json").write_text(json.dumps(machines))
+    table, _ = real_summary.build(folders, {})
+    assert [(r["source"], r["hardware"], r["gpu"]) for r in table] == [
+        ("cpu_risd", xeon, False), ("cpu_risd", xeon, False),
+        ("gpu_risd_h100", real_summary.H100, True), ("gpu_risd_h100", real_summary.H100, True)]
+    assert f"| R-ISD | gated LoRA on the CPU SFT base | R-ISD N=3 greedy (gated LoRA) | {xeon} |" in (
+        real_summary.markdown(table, []))
+    del machines["cpu_risd"]  # a table from before machines.json was written
+    (folders / "machines.json").write_text(json.dumps(machines))
+    table, _ = real_summary.build(folders, {})
+    assert [r["hardware"] for r in table if not r["gpu"]] == [real_summary.CPU, real_summary.CPU]
 
 
 def test_a_claim_below_100_percent_is_not_verified(folders, tmp_path):

@@ -3,13 +3,13 @@
 
 Nothing is measured here: the rows are read from the JSON the real-model benchmarks wrote under
 ``benchmarks/results/real/`` (the same columns as the embedded summary, ``pardec.benchmarks.summary``,
-plus the hardware and the number of test problems), the CPU conversion wall times from the
+plus the hardware and the number of test problems: a CPU row names the CPU its benchmark ran on where
+``machines.json`` records it, since TPS ratios move with the kind of CPU), the CPU conversion wall times from the
 ``cpu_conversions.json`` the reproduce driver keeps there (``pardec.cli.reproduce --real``) and the GPU
 ones from the ``gpu_conversions_<gpu>.json`` the GPU runs left (``scripts/real_model_gpu.sh``). A row whose
 benchmark has not been run yet is listed below the table with the command that makes it, so the table grows
-as conversions land. Below it, the CPU each CPU conversion time was measured on and each CPU benchmark run
-on (``machines.json``), and, once both val tables exist, the MDM attention (block-causal or bidirectional)
-chosen on val.
+as conversions land. Below it, the CPU each CPU conversion time was measured on and, once both val tables
+exist, the MDM attention (block-causal or bidirectional) chosen on val.
 
 Writes ``summary.md``, ``summary.json`` and ``summary.png`` to ``--out-dir`` (default
 ``benchmarks/results/real``): accuracy against TPS / base AR for every decoder on both bases, the
@@ -206,9 +206,19 @@ def conversion_seconds(results_dir: Path) -> dict[str, float]:
     return seconds
 
 
+def benchmark_cpus(results_dir: Path) -> dict[str, str]:
+    """``{table stem: CPU}`` for the CPU tables ``machines.json`` names a CPU for (written with every table by
+    ``pardec.benchmarks.common.write_results``; tables from before it did are absent)."""
+    path = results_dir / MACHINES
+    tables = json.loads(path.read_text()) if path.is_file() else {}
+    return {name: entry["cpu"] for name, entry in tables.items() if entry.get("cpu") and not entry.get("gpu")}
+
+
 def build(results_dir: Path, seconds: dict[str, float]) -> tuple[list[dict], list[RealRow]]:
-    """(table rows, rows whose results file does not exist yet)."""
+    """(table rows, rows whose results file does not exist yet). A CPU row's hardware is the CPU its table
+    was run on where recorded, else ``CPU``; ``gpu`` says which rows ran on a GPU."""
     table, missing = [], []
+    cpus = benchmark_cpus(results_dir)
     for row in ROWS:
         path = results_dir / f"{row.source}.json"
         if not path.is_file():
@@ -228,7 +238,8 @@ def build(results_dir: Path, seconds: dict[str, float]) -> tuple[list[dict], lis
         claim = row.lossless(data) if callable(row.lossless) else row.lossless
         verified, lossless = lossless_status(dataclasses.replace(row, lossless=claim), base_identity, own_identity)
         table.append({
-            "method": row.method, "checkpoint": row.checkpoint, "hardware": row.hardware, "decoder": label,
+            "method": row.method, "checkpoint": row.checkpoint, "decoder": label, "gpu": row.hardware != CPU,
+            "hardware": cpus.get(row.source, CPU) if row.hardware == CPU else row.hardware,
             "source": row.source, "accuracy": result["accuracy"], "identical_to_base": base_identity,
             "tpf": result["tpf"], "tps_ratio": result.get(source.tps_ratio) if source.tps_ratio else None,
             "lossless": lossless,
@@ -257,21 +268,16 @@ def grouped_by_machine(machine_of: dict[str, str | None]) -> str:
 
 def cpu_machines(results_dir: Path) -> str | None:
     """Which CPU each CPU conversion's wall time was measured on (the ``machine`` the reproduce driver
-    records in ``cpu_conversions.json``) and each CPU benchmark was run on (``machines.json``, written with
-    every table by ``pardec.benchmarks.common.write_results``); entries from before either did are "not
-    recorded", and conversions no row decodes (an experiment kept on record) are left out. One line below
-    the table, or None when neither file names a machine."""
+    records in ``cpu_conversions.json``; the benchmarks' CPUs are in the table's hardware column): entries
+    from before it did are "not recorded", and conversions no row decodes (an experiment kept on record) are
+    left out. One line below the table, or None when no entry names a machine."""
     path = results_dir / "cpu_conversions.json"
     conversions = json.loads(path.read_text()) if path.is_file() else {}
-    path = results_dir / MACHINES
-    tables = json.loads(path.read_text()) if path.is_file() else {}
-    benchmarks = {row.source: tables.get(row.source, {}).get("cpu") for row in ROWS if row.hardware == CPU}
     decoded = {row.conversion for row in ROWS if row.hardware == CPU}
     conversion_machines = {name: entry.get("machine") for name, entry in conversions.items() if name in decoded}
-    if not any(conversion_machines.values()) and not any(benchmarks.values()):
+    if not any(conversion_machines.values()):
         return None
-    return (f"CPU conversion wall times were measured on: {grouped_by_machine(conversion_machines)}. "
-            f"CPU benchmarks (their TPS) were run on: {grouped_by_machine(benchmarks)}.")
+    return f"CPU conversion wall times were measured on: {grouped_by_machine(conversion_machines)}."
 
 
 def mdm_attention_choice(results_dir: Path) -> str | None:
@@ -343,13 +349,13 @@ def plot(embedded: list[dict], real: list[dict], path: Path) -> None:
             top = max(accuracies)
             ax.set_ylim(min(accuracies) - 3, top + (4 if top > 99 else 2))  # labels of 100% points go above
         for r in shown:
-            gpu = r.get("hardware", CPU) != CPU
+            gpu = r.get("gpu", False)
             colour = colours[r["method"]]
             ax.scatter(r["tps_ratio"], 100 * r["accuracy"], marker="*" if r["lossless_verified"] else "o",
                        s=180 if r["lossless_verified"] else 60, edgecolors=colour if gpu else "black",
                        facecolors="none" if gpu else colour, linewidths=1.2, zorder=3)
         labels.append((ax, [(r["tps_ratio"], 100 * r["accuracy"],
-                             r["short"] + (f" ({r['hardware']})" if r.get("hardware", CPU) != CPU else ""))
+                             r["short"] + (f" ({r['hardware']})" if r.get("gpu", False) else ""))
                             for r in shown]))
         ax.axvline(1.0, color="grey", lw=0.8, ls="--")
     axes[0].set_ylabel("accuracy on the held-out test problems (%)")
